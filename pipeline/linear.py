@@ -1,0 +1,81 @@
+"""Linear layers in the engine's compute modes.
+
+`fp32` is the exact reference. `bf16` keeps weights and activations in bfloat16
+(the GPU default). `fp16w` stores weights in fp16 packed for FBGEMM and keeps
+activations and accumulation in fp32: on CPU a 1-row product is memory bound, so
+halving the weight bytes is what makes a decode step fast, and FBGEMM's fp16
+kernel costs nearly the same for 2-4 rows as for one, which is what makes
+verifying a speculative draft cheap. Prefill chunks are compute bound and FBGEMM
+fp16 is slower than fp32 there, so `fp16w` keeps an fp32 copy for them.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.errors import ConfigError
+
+
+class ComputeMode(str, enum.Enum):
+    FP32 = "fp32"
+    FP16W = "fp16w"
+    BF16 = "bf16"
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self is ComputeMode.BF16 else torch.float32
+
+
+DTYPE_CHOICES = ("auto", "fp32", "fp16w", "bf16")
+
+# Above this many rows a product is compute bound: fp16w mode uses its fp32 copy.
+FP16W_MAX_ROWS = 32
+
+
+def resolve_compute_mode(dtype: str, device: torch.device | str) -> ComputeMode:
+    """Map a user's `--dtype` to a compute mode: `auto` is bf16 on GPU, fp16w on CPU."""
+    device = torch.device(device)
+    if dtype == "auto":
+        return ComputeMode.BF16 if device.type == "cuda" else ComputeMode.FP16W
+    try:
+        mode = ComputeMode(dtype)
+    except ValueError:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}") from None
+    if mode is ComputeMode.FP16W and device.type != "cpu":
+        raise ConfigError("dtype 'fp16w' uses FBGEMM's CPU kernels; on a GPU use 'bf16' or 'fp32'")
+    if mode is ComputeMode.FP16W and not fp16w_available():
+        raise ConfigError("dtype 'fp16w' needs a PyTorch build with FBGEMM; use 'fp32' on this machine")
+    return mode
+
+
+def fp16w_available() -> bool:
+    return hasattr(torch.ops.quantized, "linear_prepack_fp16") and torch.backends.quantized.supported_engines.count(
+        "fbgemm"
+    ) > 0
+
+
+class Linear:
+    """y = x W^T + b for x of shape [rows, in_features], in one compute mode."""
+
+    __slots__ = ("weight", "bias", "mode", "_packed")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: ComputeMode) -> None:
+        self.mode = mode
+        dtype = mode.activation_dtype
+        self.weight = weight.to(dtype).contiguous()  # [out, in]
+        self.bias = None if bias is None else bias.to(dtype).contiguous()
+        self._packed = None
+        if mode is ComputeMode.FP16W:
+            self._packed = torch.ops.quantized.linear_prepack_fp16(self.weight, self.bias)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None and x.shape[0] <= FP16W_MAX_ROWS:
+            return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
+        return F.linear(x, self.weight, self.bias)

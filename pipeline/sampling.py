@@ -1,0 +1,113 @@
+"""Token choice: greedy, sampling, and the acceptance rules of speculative decoding.
+
+Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): a drafted token x
+drawn from the draft distribution q is kept with probability min(1, p(x) / q(x));
+at the first rejection the token is redrawn from normalize(max(p - q, 0)); if every
+draft is kept, one bonus token is drawn from p. The emitted sequence is then
+distributed exactly as sampling from p token by token. `p` and `q` here are the
+processed distributions (temperature, top-k, top-p), so "exactly the model's" means
+exactly what plain sampling with the same settings would give.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; top_k 0 and top_p 1.0 switch those filters off."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self) -> torch.Generator | None:
+        if self.greedy:
+            return None
+        generator = torch.Generator()
+        if self.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(self.seed)
+        return generator
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The sampling distribution [..., V] for logits [..., V] (float32)."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        sorted_logits = sorted_logits.masked_fill(mass_before >= params.top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.softmax(logits, dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def accept_greedy(draft_ids: list[int], target_logits: torch.Tensor) -> list[int]:
+    """Tokens emitted by one greedy verification: the longest prefix of the draft that
+    equals the target's argmax, then the target's own next token.
+
+    target_logits: [len(draft_ids) + 1, V], row i predicting the token after draft i - 1.
+    """
+    targets = target_logits.argmax(dim=-1).tolist()
+    emitted = []
+    for draft, target in zip(draft_ids, targets):
+        if draft != target:
+            break
+        emitted.append(draft)
+    emitted.append(targets[len(emitted)])
+    return emitted
+
+
+def accept_sampled(
+    draft_ids: list[int],
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> list[int]:
+    """Tokens emitted by one speculative-sampling verification.
+
+    draft_probs: [n, V], the distribution each draft token was drawn from;
+    target_probs: [n + 1, V].
+    """
+    emitted = []
+    for i, token in enumerate(draft_ids):
+        p, q = target_probs[i, token].item(), draft_probs[i, token].item()
+        u = torch.rand((), generator=generator).item()
+        if u * q < p:  # u < p / q without dividing by a tiny q
+            emitted.append(token)
+            continue
+        residual = (target_probs[i] - draft_probs[i]).clamp_min(0)
+        total = residual.sum()
+        # p == q up to rounding leaves no residual mass; p itself is then the right law.
+        emitted.append(sample(residual / total if total > 0 else target_probs[i], generator))
+        return emitted
+    emitted.append(sample(target_probs[len(draft_ids)], generator))
+    return emitted

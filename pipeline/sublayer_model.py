@@ -1,0 +1,296 @@
+"""A decoder run as 2L items (sublayers), any subset of them, over its own KV cache.
+
+Item 2i is layer i's attention (input norm -> self-attention -> residual add) and
+item 2i+1 its MLP (post-attention norm -> MLP -> residual add). A skipped item is
+the identity on the residual stream (KnapSpec, Sec. 3), so a draft model is just
+the set of items to skip. One sequence per call: offline summarization runs one
+request per forward, and its KV cache has no batch dimension.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.errors import ConfigError
+from pipeline.kv_cache import KVCache
+from pipeline.linear import ComputeMode, Linear
+from pipeline.model_spec import ModelSpec, sliding_window_of
+
+# Longer query blocks (prefill chunks) go through PyTorch's fused attention; short
+# ones (decode, verify) through a GQA-aware product that never repeats K/V heads.
+FUSED_ATTENTION_MIN_TOKENS = 16
+DEFAULT_PREFILL_CHUNK = 512
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [d]
+    qkv: Linear  # d -> (H + 2 * kv_heads) * head_dim
+    o: Linear  # H * head_dim -> d
+    q_norm: torch.Tensor | None  # [head_dim], Qwen3 only
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor  # [d]
+    gate_up: Linear  # d -> 2 * intermediate
+    down: Linear  # intermediate -> d
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # [num_logit_positions, V], float32
+    hidden_states: torch.Tensor | None  # [num_items + 1, T, d]: the residual stream before item 0 and after each item
+
+
+class SublayerModel:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        layers: Sequence[LayerWeights],
+        embed: torch.Tensor,
+        final_norm: torch.Tensor,
+        lm_head: Linear,
+        rotary: torch.nn.Module,
+        mode: ComputeMode,
+        max_context: int,
+        device: torch.device,
+    ) -> None:
+        self.spec = spec
+        self.layers = list(layers)
+        self.embed = embed  # [V, d]
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.rotary = rotary
+        self.mode = mode
+        self.max_context = max_context
+        self.device = device
+        self.dtype = mode.activation_dtype
+        self._cos = torch.empty(0, spec.head_dim, device=device)
+        self._sin = torch.empty(0, spec.head_dim, device=device)
+        self._scale = spec.head_dim**-0.5
+
+    # ----------------------------------------------------------------- loading
+
+    @classmethod
+    def from_tensors(
+        cls,
+        config,
+        tensors: Mapping[str, torch.Tensor],
+        mode: ComputeMode,
+        device: torch.device | str = "cpu",
+    ) -> SublayerModel:
+        """Build from a Hugging Face config and its state dict (names as in the checkpoint)."""
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        spec = ModelSpec.from_hf_config(config)
+        device = torch.device(device)
+
+        def get(name: str) -> torch.Tensor:
+            try:
+                return tensors[name].to(device=device, dtype=torch.float32)
+            except KeyError:
+                raise ConfigError(f"checkpoint is missing tensor {name!r}") from None
+
+        def norm(name: str) -> torch.Tensor:
+            return get(name).to(mode.activation_dtype)
+
+        layers = []
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            qkv_w = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            qkv_b = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if spec.attention_bias else None
+            o_name = p + "self_attn.o_proj.bias"
+            o_b = get(o_name) if o_name in tensors else None
+            layers.append(
+                LayerWeights(
+                    input_norm=norm(p + "input_layernorm.weight"),
+                    qkv=Linear(qkv_w, qkv_b, mode),
+                    o=Linear(get(p + "self_attn.o_proj.weight"), o_b, mode),
+                    q_norm=norm(p + "self_attn.q_norm.weight") if spec.qk_norm else None,
+                    k_norm=norm(p + "self_attn.k_norm.weight") if spec.qk_norm else None,
+                    post_norm=norm(p + "post_attention_layernorm.weight"),
+                    gate_up=Linear(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]), None, mode),
+                    down=Linear(get(p + "mlp.down_proj.weight"), None, mode),
+                )
+            )
+        embed = get("model.embed_tokens.weight")
+        if spec.tie_word_embeddings:
+            lm_head = Linear(embed, None, mode)
+        elif "lm_head.weight" in tensors:
+            lm_head = Linear(get("lm_head.weight"), None, mode)
+        else:
+            raise ConfigError("checkpoint has no lm_head.weight and does not tie it to the embeddings")
+        window = sliding_window_of(config)
+        max_context = spec.max_position_embeddings if window is None else min(window, spec.max_position_embeddings)
+        return cls(
+            spec=spec,
+            layers=layers,
+            embed=embed.to(mode.activation_dtype),
+            final_norm=norm("model.norm.weight"),
+            lm_head=lm_head,
+            rotary=LlamaRotaryEmbedding(config).to(device),
+            mode=mode,
+            max_context=max_context,
+            device=device,
+        )
+
+    # ------------------------------------------------------------------ caches
+
+    def new_cache(self, capacity: int) -> KVCache:
+        if capacity > self.max_context:
+            raise ConfigError(
+                f"a context of {capacity} tokens exceeds this model's limit of {self.max_context}; "
+                "lower --max-context or --max-new-tokens"
+            )
+        s = self.spec
+        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, capacity, self.dtype, self.device)
+
+    def _rotary_tables(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if end > self._cos.shape[0]:
+            size = min(max(end, 2 * self._cos.shape[0], 1024), max(end, self.max_context))
+            positions = torch.arange(size, device=self.device)[None]
+            probe = torch.empty(0, dtype=torch.float32, device=self.device)
+            cos, sin = self.rotary(probe, positions)
+            self._cos, self._sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [size, head_dim]
+        return self._cos, self._sin
+
+    # ----------------------------------------------------------------- forward
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache: KVCache,
+        token_ids: torch.Tensor,
+        start: int,
+        skip: Collection[int] = (),
+        logits: str = "all",
+        return_hidden: bool = False,
+    ) -> ForwardOutput:
+        """Run tokens at positions [start, start + T) through every item not in `skip`.
+
+        Writes their keys/values into `cache` for the attention items it executes.
+        `logits` is "all" (one row per token), "last", or "none".
+        """
+        num_tokens = token_ids.shape[0]
+        end = start + num_tokens
+        cache.check_room(end)
+        cos, sin = self._rotary_tables(end)
+        cos, sin = cos[start:end], sin[start:end]  # [T, head_dim]
+        h = self.embed[token_ids]  # [T, d]
+        hidden = [h] if return_hidden else None
+        for i, layer in enumerate(self.layers):
+            if 2 * i not in skip:
+                h = h + self._attention(layer, i, h, cache, start, cos, sin)
+            if return_hidden:
+                hidden.append(h)
+            if 2 * i + 1 not in skip:
+                h = h + self._mlp(layer, h)
+            if return_hidden:
+                hidden.append(h)
+        out_logits = None
+        if logits != "none":
+            rows = h[-1:] if logits == "last" else h
+            out_logits = self.lm_head(self._rms_norm(rows, self.final_norm)).float()
+        return ForwardOutput(
+            logits=out_logits,
+            hidden_states=torch.stack(hidden) if return_hidden else None,
+        )
+
+    @torch.inference_mode()
+    def prefill(self, cache: KVCache, token_ids: torch.Tensor, chunk_size: int = DEFAULT_PREFILL_CHUNK) -> torch.Tensor:
+        """Fill the cache with a prompt from position `cache.length`; returns the last position's logits [V]."""
+        start = cache.length
+        cache.check_room(start + token_ids.shape[0])
+        last = None
+        for offset in range(0, token_ids.shape[0], chunk_size):
+            chunk = token_ids[offset : offset + chunk_size]
+            is_last = offset + chunk_size >= token_ids.shape[0]
+            out = self.forward(cache, chunk, start + offset, logits="last" if is_last else "none")
+            last = out.logits
+        cache.commit(start + token_ids.shape[0])
+        return last[0]
+
+    # -------------------------------------------------------------- sublayers
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # As Hugging Face's LlamaRMSNorm: normalize in fp32, scale in the compute dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        return weight * x32.to(x.dtype)
+
+    def _mlp(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        gate, up = layer.gate_up(self._rms_norm(h, layer.post_norm)).chunk(2, dim=-1)
+        return layer.down(F.silu(gate) * up)
+
+    def _attention(
+        self,
+        layer: LayerWeights,
+        index: int,
+        h: torch.Tensor,
+        cache: KVCache,
+        start: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        s = self.spec
+        num_tokens = h.shape[0]
+        qkv = layer.qkv(self._rms_norm(h, layer.input_norm))
+        q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim], -1)
+        q = q.view(num_tokens, s.num_heads, s.head_dim)
+        k = k.view(num_tokens, s.num_kv_heads, s.head_dim)
+        if layer.q_norm is not None:
+            q = self._rms_norm(q, layer.q_norm)
+            k = self._rms_norm(k, layer.k_norm)
+        q = _apply_rotary(q, cos, sin)
+        k = _apply_rotary(k, cos, sin)
+        v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
+        cache.write(index, start, k.transpose(0, 1), v.transpose(0, 1))
+        keys, values = cache.view(index, start + num_tokens)  # [kv_heads, n, head_dim]
+        if num_tokens >= FUSED_ATTENTION_MIN_TOKENS:
+            out = self._fused_attention(q, keys, values, start)
+        else:
+            out = self._grouped_attention(q, keys, values, start)
+        return layer.o(out)
+
+    def _fused_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        mask = None
+        if start > 0:
+            # Chunk after the first: causal with an offset, which is_causal cannot express.
+            positions = torch.arange(keys.shape[1], device=q.device)
+            mask = positions[None, :] <= (start + torch.arange(num_tokens, device=q.device))[:, None]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            keys[None],
+            values[None],
+            attn_mask=mask,
+            is_causal=start == 0,
+            scale=self._scale,
+            enable_gqa=True,
+        )  # [1, H, T, head_dim]
+        return out[0].transpose(0, 1).reshape(num_tokens, -1)
+
+    def _grouped_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+        # Query head h reads KV head h // groups; folding the groups into the query rows
+        # turns attention into two batched matmuls over the cache as it lies in memory.
+        s = self.spec
+        num_tokens = q.shape[0]
+        groups = s.num_query_groups
+        qg = (q * self._scale).view(num_tokens, s.num_kv_heads, groups, s.head_dim)
+        qg = qg.permute(1, 2, 0, 3).reshape(s.num_kv_heads, groups * num_tokens, s.head_dim)
+        scores = torch.bmm(qg, keys.transpose(1, 2))  # [kv_heads, groups * T, n]
+        if num_tokens > 1:
+            causal = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=q.device).triu(1)
+            scores.view(s.num_kv_heads, groups, num_tokens, -1)[..., start:].masked_fill_(causal, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+        out = torch.bmm(probs, values)  # [kv_heads, groups * T, head_dim]
+        return out.view(s.num_kv_heads, groups, num_tokens, s.head_dim).permute(2, 0, 1, 3).reshape(num_tokens, -1)
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [T, heads, head_dim] as Hugging Face applies it (rotate_half)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]

@@ -1,0 +1,1 @@
+"""Latency microbenchmarks, the latency-model fit and the calibration store."""
