@@ -1,0 +1,92 @@
+"""Shared fixtures: tiny random checkpoints saved as safetensors, and the real embedded model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE_DOCS = REPO / "data" / "sample.jsonl"
+
+# Big enough for grouped-query attention and a few layers, small enough to run in milliseconds.
+TINY_COMMON = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
+TINY_FAMILIES = {
+    "llama": dict(model_type="llama"),
+    "qwen3": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=True),  # head_dim != hidden / heads
+    "qwen2": dict(model_type="qwen2"),  # q/k/v biases
+    "mistral": dict(model_type="mistral", sliding_window=None),
+}
+
+
+def make_tiny_checkpoint(path: Path, family: str, seed: int = 0, init_scale: float = 1.0, logit_scale: float = 5.0) -> Path:
+    """A random model of `family`, saved with save_pretrained (safetensors) as a user would have it.
+
+    Weights are drawn larger than at initialization so that the model is confident and
+    greedy choices are far from ties, as a trained model's usually are.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = dict(TINY_COMMON, **TINY_FAMILIES[family])
+    model_type = settings.pop("model_type")
+    config = AutoConfig.for_model(model_type, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif "lm_head" in name or "embed_tokens" in name:
+                p.normal_(0.0, logit_scale / p.shape[-1] ** 0.5)
+            else:
+                p.normal_(0.0, init_scale / p.shape[-1] ** 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_FAMILIES))
+def tiny_checkpoint(request, tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{request.param}"), request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+def load_tiny(path: Path, mode: str = "fp32"):
+    """(HF model, our SublayerModel) of a tiny checkpoint."""
+    from pipeline import checkpoint
+    from pipeline.linear import ComputeMode
+    from pipeline.sublayer_model import SublayerModel
+
+    config = checkpoint.load_config(path)
+    model = SublayerModel.from_tensors(config, checkpoint.read_tensors(path), ComputeMode(mode))
+    return checkpoint.load_hf_model(path), model
+
+
+def sample_documents() -> list[dict]:
+    return [json.loads(line) for line in SAMPLE_DOCS.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def embedded_engine_fp32():
+    from pipeline.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(dtype="fp32"))
