@@ -57,7 +57,7 @@ class Engine:
         self.tokenizer = checkpoint.load_tokenizer(self.path)
         tensors = checkpoint.read_tensors(self.path)
         self.model = SublayerModel.from_tensors(self.hf_config, tensors, self.mode, self.device)
-        self.eos_token_ids = _eos_token_ids(self.hf_config, self.tokenizer)
+        self.eos_token_ids = _eos_token_ids(self.path, self.hf_config, self.tokenizer)
         self._hf_model = None
         logger.info("Loaded %s (%d layers) in %s mode", self.path.name, self.model.spec.num_layers, self.mode.value)
 
@@ -91,6 +91,11 @@ class Engine:
     ) -> GenerationResult:
         """Generate after `prompt_ids` (1-D). `prefilled` reuses a prefilled cache (consumed)."""
         config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids)
+        if prompt_ids.numel() + max_new_tokens > self.model.max_context:
+            raise ConfigError(
+                f"{prompt_ids.numel()} prompt tokens + {max_new_tokens} new tokens exceed this model's "
+                f"{self.model.max_context}-token context; shorten the prompt or lower max_new_tokens"
+            )
         if strategy.name == "hf":
             return self._generate_hf(prompt_ids, config, params)
         drafter = self.drafter(strategy)
@@ -113,10 +118,16 @@ class Engine:
         return GenerationResult(token_ids=token_ids, stats=stats, finish_reason=finish)
 
 
-def _eos_token_ids(hf_config, tokenizer) -> frozenset[int]:
-    ids = getattr(hf_config, "eos_token_id", None)
-    if ids is None:
-        ids = tokenizer.eos_token_id
+def _eos_token_ids(path: Path, hf_config, tokenizer) -> frozenset[int]:
+    """End-of-sequence ids: generation_config.json first (chat models often list several
+    there, e.g. Llama 3.1's <|eot_id|>), then config.json, then the tokenizer."""
+    candidates = []
+    if (path / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        candidates.append(GenerationConfig.from_pretrained(path).eos_token_id)
+    candidates += [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
+    ids = next((c for c in candidates if c is not None), None)
     if ids is None:
         return frozenset()
     return frozenset([ids] if isinstance(ids, int) else ids)

@@ -45,6 +45,8 @@ def build_prompt(
         if len(ids) <= max_prompt_tokens:
             return Prompt(torch.tensor(ids), truncated=True, document_tokens=len(doc_ids))
         keep -= len(ids) - max_prompt_tokens
+        if keep < 1:
+            raise ConfigError(f"max context of {max_prompt_tokens} tokens leaves no room for the document")
 
 
 def _encode_chat(tokenizer, content: str) -> list[int]:

@@ -92,7 +92,12 @@ def test_load_jsonl_single_row_needs_no_id(tmp_path):
 def test_load_jsonl_rejects_bad_rows(tmp_path):
     path = write_jsonl(
         tmp_path / "bad.jsonl",
-        [{"id": "blank", "text": "  \n"}, {"id": "null", "text": None}, {"id": "dup", "text": "x"}, {"id": "dup", "text": "y"}],
+        [
+            {"id": "blank", "text": "  \n"},
+            {"id": "null", "text": None},
+            {"id": "dup", "text": "x"},
+            {"id": "dup", "text": "y"},
+        ],
     )
     with pytest.raises(RowError, match="empty"):
         generate.load_document(path, "blank")
@@ -214,10 +219,9 @@ def test_greedy_output_is_the_same_for_every_strategy():
         assert proc.returncode == 0, proc.stderr
         records[strategy] = json.loads(proc.stdout)  # stdout holds the JSON object and nothing else
 
+    keys = {"id", "token_ids", "text", "prompt_tokens", "output_tokens", "strategy", "truncated", "finish_reason"}
     for strategy, record in records.items():
-        assert {
-            "id", "token_ids", "text", "prompt_tokens", "output_tokens", "strategy", "truncated", "finish_reason", "stats"
-        } <= record.keys()  # fmt: skip
+        assert keys | {"stats"} <= record.keys()
         assert record["id"] == SAMPLE_ID and record["strategy"] == strategy
         assert record["output_tokens"] == len(record["token_ids"]) == record["stats"]["output_tokens"]
         assert all(isinstance(t, int) for t in record["token_ids"])

