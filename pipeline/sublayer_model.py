@@ -23,7 +23,7 @@ from pipeline.model_spec import ModelSpec, sliding_window_of
 # Longer query blocks (prefill chunks) go through PyTorch's fused attention; short
 # ones (decode, verify) through a GQA-aware product that never repeats K/V heads.
 FUSED_ATTENTION_MIN_TOKENS = 16
-DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_PREFILL_CHUNK = 1024
 
 
 @dataclass
