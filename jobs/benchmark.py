@@ -79,16 +79,21 @@ def load_documents(path: Path, ids: list[str]) -> dict[str, str]:
     return {i: rows[i] for i in ids}
 
 
-def median_forward_s(engine: Engine, prompt_ids: torch.Tensor, num_tokens: int, repeats: int = 9) -> float:
-    """Median time of one full forward of `num_tokens` tokens after the prompt (a verify step)."""
-    prefilled = prefill(engine.model, prompt_ids, max(VERIFY_SIZES), 0)
-    tokens = prompt_ids[-num_tokens:].clone()
-    times = []
-    for _ in range(repeats + 2):
-        t0 = time.perf_counter()
-        engine.model.forward(prefilled.cache, tokens, prefilled.cache.length, logits="all")
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:])
+def verify_costs(engine: Engine, prompt_ids: torch.Tensor, rounds: int = 9) -> dict[int, float]:
+    """Median seconds of one full forward of k tokens after the prompt (a verify of k - 1
+    drafts), for each k in VERIFY_SIZES; sizes alternate within each round so that noise
+    hits them alike."""
+    prefilled = prefill(engine.model, prompt_ids, max(VERIFY_SIZES))
+    cache = prefilled.cache
+    times: dict[int, list[float]] = {k: [] for k in VERIFY_SIZES}
+    for round_ in range(rounds + 1):
+        for k in VERIFY_SIZES:
+            tokens = prompt_ids[-k:].clone()
+            t0 = time.perf_counter()
+            engine.model.forward(cache, tokens, cache.length, logits="all")
+            if round_:  # the first round warms up
+                times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,11 +146,10 @@ def main(argv: list[str] | None = None) -> int:
                         repeats=len(results),
                     )
                 )
-            engine = engines.get(reference[1])
-            one = median_forward_s(engine, prompt, 1)
+            costs = verify_costs(engines[reference[1]], prompt)
             verify_rows.append(
-                {"doc_id": doc_id, "context_tokens": prompt.numel(), "dtype": reference[1], "t_forward_1_s": one}
-                | {f"verify_{k}_over_1": median_forward_s(engine, prompt, k) / one for k in VERIFY_SIZES[1:]}
+                {"doc_id": doc_id, "context_tokens": prompt.numel(), "dtype": reference[1], "t_forward_1_s": costs[1]}
+                | {f"verify_{k}_over_1": costs[k] / costs[1] for k in VERIFY_SIZES[1:]}
             )
 
     args.output.mkdir(parents=True, exist_ok=True)

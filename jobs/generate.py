@@ -243,9 +243,9 @@ def run(args: argparse.Namespace) -> dict:
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir))
     engine.drafter(strategy)  # checks --skip against the model's items before any prefill
 
-    # Room for the answer and the longest draft is reserved whatever the strategy, so
-    # every strategy sees the same prompt for the same arguments.
-    room = engine.model.max_context - args.max_new_tokens - args.max_draft - 1
+    # Room for the answer is reserved whatever the strategy, so every strategy sees
+    # the same prompt for the same arguments.
+    room = engine.model.max_context - args.max_new_tokens
     if room < 1:
         raise ConfigError(
             f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in this model's "

@@ -87,12 +87,16 @@ class Prefilled:
         return Prefilled(self.cache.copy(), self.logits.clone(), self.prompt_tokens, self.seconds)
 
 
-def prefill(model: SublayerModel, prompt_ids: torch.Tensor, max_new_tokens: int, max_draft: int) -> Prefilled:
-    """Run the prompt; the cache has room for the answer plus the longest draft."""
+def prefill(model: SublayerModel, prompt_ids: torch.Tensor, max_new_tokens: int) -> Prefilled:
+    """Run the prompt into a cache with room for the answer.
+
+    Drafts never need more: `decode` drafts at most up to the token limit, so the last
+    position a draft or verify writes is that of the last answer token.
+    """
     if prompt_ids.ndim != 1 or prompt_ids.numel() == 0:
         raise ConfigError("prompt_ids must be a non-empty 1-D tensor of token ids")
     t0 = time.perf_counter()
-    cache = model.new_cache(prompt_ids.numel() + max_new_tokens + max_draft + 1)
+    cache = model.new_cache(prompt_ids.numel() + max_new_tokens)
     logits = model.prefill(cache, prompt_ids.to(model.device))
     return Prefilled(cache, logits, prompt_ids.numel(), time.perf_counter() - t0)
 

@@ -78,8 +78,8 @@ class Engine:
             return LayerSkipDrafter(skip, self.model.spec.num_items, max_draft=strategy.max_draft)
         return NoDraft()
 
-    def prefill(self, prompt_ids: torch.Tensor, max_new_tokens: int, max_draft: int = DEFAULT_MAX_DRAFT) -> Prefilled:
-        return prefill(self.model, prompt_ids, max_new_tokens, max_draft)
+    def prefill(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> Prefilled:
+        return prefill(self.model, prompt_ids, max_new_tokens)
 
     def generate(
         self,
@@ -100,7 +100,7 @@ class Engine:
             return self._generate_hf(prompt_ids, config, params)
         drafter = self.drafter(strategy)
         if prefilled is None:
-            prefilled = self.prefill(prompt_ids, max_new_tokens, drafter.max_draft)
+            prefilled = self.prefill(prompt_ids, max_new_tokens)
         return decode(self.model, prefilled, config, params, drafter)
 
     def _generate_hf(self, prompt_ids: torch.Tensor, config: DecodeConfig, params: SamplingParams) -> GenerationResult:

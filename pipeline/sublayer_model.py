@@ -23,7 +23,10 @@ from pipeline.model_spec import ModelSpec, sliding_window_of
 # Longer query blocks (prefill chunks) go through PyTorch's fused attention; short
 # ones (decode, verify) through a GQA-aware product that never repeats K/V heads.
 FUSED_ATTENTION_MIN_TOKENS = 16
-DEFAULT_PREFILL_CHUNK = 1024
+# Prefill chunks are as long as this many floats of MLP activations allow: long chunks
+# waste less attention work on masked-out blocks and run larger matmuls.
+PREFILL_ACTIVATION_BUDGET = 16 * 2**20
+MIN_PREFILL_CHUNK, MAX_PREFILL_CHUNK = 512, 4096
 
 
 @dataclass
@@ -178,11 +181,12 @@ class SublayerModel:
         cache.check_room(end)
         cos, sin = self._rotary_tables(end)
         cos, sin = cos[start:end], sin[start:end]  # [T, head_dim]
+        mask = _attention_mask(num_tokens, start, self.device)
         h = self.embed[token_ids]  # [T, d]
         hidden = [h] if return_hidden else None
         for i, layer in enumerate(self.layers):
             if 2 * i not in skip:
-                h = h + self._attention(layer, i, h, cache, start, cos, sin)
+                h = h + self._attention(layer, i, h, cache, start, cos, sin, mask)
             if return_hidden:
                 hidden.append(h)
             if 2 * i + 1 not in skip:
@@ -198,9 +202,15 @@ class SublayerModel:
             hidden_states=torch.stack(hidden) if return_hidden else None,
         )
 
+    @property
+    def prefill_chunk(self) -> int:
+        rows = PREFILL_ACTIVATION_BUDGET // (2 * self.spec.intermediate_size)
+        return max(MIN_PREFILL_CHUNK, min(MAX_PREFILL_CHUNK, 1 << max(rows, 1).bit_length() - 1))
+
     @torch.inference_mode()
-    def prefill(self, cache: KVCache, token_ids: torch.Tensor, chunk_size: int = DEFAULT_PREFILL_CHUNK) -> torch.Tensor:
+    def prefill(self, cache: KVCache, token_ids: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
         """Fill the cache with a prompt from position `cache.length`; returns the last position's logits [V]."""
+        chunk_size = chunk_size or self.prefill_chunk
         start = cache.length
         cache.check_room(start + token_ids.shape[0])
         last = None
@@ -233,6 +243,7 @@ class SublayerModel:
         start: int,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
         s = self.spec
         num_tokens = h.shape[0]
@@ -249,18 +260,15 @@ class SublayerModel:
         cache.write(index, start, k.transpose(0, 1), v.transpose(0, 1))
         keys, values = cache.view(index, start + num_tokens)  # [kv_heads, n, head_dim]
         if num_tokens >= FUSED_ATTENTION_MIN_TOKENS:
-            out = self._fused_attention(q, keys, values, start)
+            out = self._fused_attention(q, keys, values, start, mask)
         else:
-            out = self._grouped_attention(q, keys, values, start)
+            out = self._grouped_attention(q, keys, values, start, mask)
         return layer.o(out)
 
-    def _fused_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+    def _fused_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         num_tokens = q.shape[0]
-        mask = None
-        if start > 0:
-            # Chunk after the first: causal with an offset, which is_causal cannot express.
-            positions = torch.arange(keys.shape[1], device=q.device)
-            mask = positions[None, :] <= (start + torch.arange(num_tokens, device=q.device))[:, None]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
             keys[None],
@@ -272,7 +280,9 @@ class SublayerModel:
         )  # [1, H, T, head_dim]
         return out[0].transpose(0, 1).reshape(num_tokens, -1)
 
-    def _grouped_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+    def _grouped_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         # Query head h reads KV head h // groups; folding the groups into the query rows
         # turns attention into two batched matmuls over the cache as it lies in memory.
         s = self.spec
@@ -281,12 +291,28 @@ class SublayerModel:
         qg = (q * self._scale).view(num_tokens, s.num_kv_heads, groups, s.head_dim)
         qg = qg.permute(1, 2, 0, 3).reshape(s.num_kv_heads, groups * num_tokens, s.head_dim)
         scores = torch.bmm(qg, keys.transpose(1, 2))  # [kv_heads, groups * T, n]
-        if num_tokens > 1:
-            causal = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=q.device).triu(1)
-            scores.view(s.num_kv_heads, groups, num_tokens, -1)[..., start:].masked_fill_(causal, float("-inf"))
+        if mask is not None:
+            scores.view(s.num_kv_heads, groups, num_tokens, -1)[..., start:].masked_fill_(mask, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
         out = torch.bmm(probs, values)  # [kv_heads, groups * T, head_dim]
         return out.view(s.num_kv_heads, groups, num_tokens, s.head_dim).permute(2, 0, 1, 3).reshape(num_tokens, -1)
+
+
+def _attention_mask(num_tokens: int, start: int, device: torch.device) -> torch.Tensor | None:
+    """The mask a block of queries at [start, start + T) needs, built once per forward.
+
+    Fused attention (long blocks): None for the first block (is_causal does it), else
+    [T, start + T] True where attending is allowed. Grouped attention (short blocks):
+    [T, T] True where a query must not see a later token of its own block.
+    """
+    if num_tokens >= FUSED_ATTENTION_MIN_TOKENS:
+        if start == 0:
+            return None
+        positions = torch.arange(start + num_tokens, device=device)
+        return positions[None, :] <= (start + torch.arange(num_tokens, device=device))[:, None]
+    if num_tokens == 1:
+        return None
+    return torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=device).triu(1)
 
 
 def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

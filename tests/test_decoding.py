@@ -24,7 +24,7 @@ def prompt_ids(n: int, seed: int = 0) -> torch.Tensor:
 
 def run(model, prompt, drafter, max_new=30, params=SamplingParams(), eos=EOS):
     config = DecodeConfig(max_new_tokens=max_new, eos_token_ids=eos)
-    return decode(model, prefill(model, prompt, max_new, drafter.max_draft), config, params, drafter)
+    return decode(model, prefill(model, prompt, max_new), config, params, drafter)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -131,7 +131,7 @@ def test_speculative_sampling_matches_the_model_distribution(tiny_llama, params)
 
     drafter = LayerSkipDrafter([1, 2, 5], model.spec.num_items, max_draft=2, confidence_threshold=0.0)
     config = DecodeConfig(max_new_tokens=3)
-    prefilled = prefill(model, prompt, 3, 2)
+    prefilled = prefill(model, prompt, 3)
     counts: dict[tuple[int, ...], int] = {}
     drafted = accepted = 0
     num_samples = 3000
