@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from pipeline.drafters import Drafter, NoDraft
+from pipeline.drafters import Drafter, DraftRequest, NoDraft
 from pipeline.errors import ConfigError
 from pipeline.kv_cache import KVCache
 from pipeline.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
@@ -107,8 +107,12 @@ def decode(
     config: DecodeConfig,
     params: SamplingParams,
     drafter: Drafter | None = None,
+    prompt_ids: list[int] | None = None,
 ) -> GenerationResult:
-    """Generate after a prefilled prompt. Consumes `prefilled.cache`."""
+    """Generate after a prefilled prompt. Consumes `prefilled.cache`.
+
+    `prompt_ids` is what drafters that copy from the context (prompt lookup) read.
+    """
     drafter = drafter or NoDraft()
     generator = params.generator()
     cache = prefilled.cache
@@ -117,10 +121,13 @@ def decode(
 
     pending = _choose(prefilled.logits, params, generator)  # its KV is not in the cache yet
     output = [pending]
+    history = list(prompt_ids or []) + output  # prompt + emitted, kept in step with `output`
     while len(output) < config.max_new_tokens and pending not in config.eos_token_ids:
         # Drafting past the token limit is wasted: the verify step emits one token more than it drafts.
         room = config.max_new_tokens - len(output) - 1
-        draft = drafter.propose(model, cache, pending, room, params, generator, config.eos_token_ids)
+        draft = drafter.propose(
+            DraftRequest(model, cache, history, room, params, generator, config.eos_token_ids)
+        )
         inputs = torch.tensor([pending, *draft.token_ids], device=model.device)
         logits = model.forward(cache, inputs, cache.length, logits="all").logits  # [1 + n, V]
         if params.greedy:
@@ -136,6 +143,7 @@ def decode(
         stats.accepted_tokens += num_accepted
         for token in emitted:
             output.append(token)
+            history.append(token)
             if token in config.eos_token_ids or len(output) >= config.max_new_tokens:
                 break
         pending = output[-1]

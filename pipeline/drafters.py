@@ -29,21 +29,29 @@ class Draft:
     probs: torch.Tensor | None = None  # [n, V] draft distributions; only when sampling
 
 
+@dataclass
+class DraftRequest:
+    """What a drafter may use to propose the tokens after `pending`."""
+
+    model: SublayerModel
+    cache: KVCache  # committed up to `pending`, whose own position is cache.length
+    token_ids: list[int]  # prompt and emitted tokens, ending with `pending`
+    max_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    eos_token_ids: Collection[int]
+
+    @property
+    def pending(self) -> int:
+        return self.token_ids[-1]
+
+
 class Drafter(Protocol):
     max_draft: int
 
-    def propose(
-        self,
-        model: SublayerModel,
-        cache: KVCache,
-        pending: int,
-        max_tokens: int,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        eos_token_ids: Collection[int],
-    ) -> Draft:
-        """Up to `max_tokens` tokens to follow `pending`, the last emitted token, whose
-        position is `cache.length`. May write K/V beyond `cache.length`."""
+    def propose(self, request: DraftRequest) -> Draft:
+        """Up to `request.max_tokens` tokens to follow `request.pending`. May write K/V
+        beyond `cache.length`; verification overwrites them."""
         ...
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
@@ -56,7 +64,7 @@ class NoDraft:
 
     max_draft = 0
 
-    def propose(self, model, cache, pending, max_tokens, params, generator, eos_token_ids) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
         return Draft([])
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
@@ -79,11 +87,12 @@ class LayerSkipDrafter:
         self.max_draft = max_draft
         self.confidence_threshold = confidence_threshold
 
-    def propose(self, model, cache, pending, max_tokens, params, generator, eos_token_ids) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
+        model, cache, params = request.model, request.cache, request.params
         tokens: list[int] = []
         dists: list[torch.Tensor] = []
-        token = pending
-        for j in range(min(self.max_draft, max_tokens)):
+        token = request.pending
+        for j in range(min(self.max_draft, request.max_tokens)):
             logits = model.forward(
                 cache, torch.tensor([token], device=model.device), cache.length + j, skip=self.skip, logits="last"
             ).logits[0]
@@ -92,7 +101,7 @@ class LayerSkipDrafter:
                 confidence = torch.softmax(logits, dim=-1)[token].item()
             else:
                 q = probabilities(logits, params)
-                token = sample(q, generator)
+                token = sample(q, request.generator)
                 confidence = q.max().item()
                 dists.append(q)
             if confidence < self.confidence_threshold:
@@ -100,7 +109,7 @@ class LayerSkipDrafter:
                     dists.pop()
                 break
             tokens.append(token)
-            if token in eos_token_ids:
+            if token in request.eos_token_ids:
                 break
         probs = torch.stack(dists) if dists else None
         return Draft(tokens, probs)

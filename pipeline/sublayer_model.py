@@ -195,12 +195,85 @@ class SublayerModel:
                 hidden.append(h)
         out_logits = None
         if logits != "none":
-            rows = h[-1:] if logits == "last" else h
-            out_logits = self.lm_head(self._rms_norm(rows, self.final_norm)).float()
+            out_logits = self.logits(h[-1:] if logits == "last" else h)
         return ForwardOutput(
             logits=out_logits,
             hidden_states=torch.stack(hidden) if return_hidden else None,
         )
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: residual stream [rows, d] -> float32 logits [rows, V]."""
+        return self.lm_head(self._rms_norm(h, self.final_norm)).float()
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed[token_ids]
+
+    @torch.inference_mode()
+    def run_item(self, item: int, h: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """The residual stream [T, d] after one item, for tokens at [start, start + T).
+
+        An attention item writes its keys/values into `cache` (profiling times items one at a time with it).
+        """
+        layer_index, is_mlp = divmod(item, 2)
+        layer = self.layers[layer_index]
+        if is_mlp:
+            return h + self._mlp(layer, h)
+        end = start + h.shape[0]
+        cache.check_room(end)
+        cos, sin = self._rotary_tables(end)
+        mask = _attention_mask(h.shape[0], start, self.device)
+        return h + self._attention(layer, layer_index, h, cache, start, cos[start:end], sin[start:end], mask)
+
+    @torch.inference_mode()
+    def run_item_branches(self, item: int, h: torch.Tensor, cache: KVCache, prefix_len: int) -> torch.Tensor:
+        """One item on B branches of the same r tokens at positions [prefix_len, prefix_len + r).
+
+        h: [B, r, d]. Each branch's tokens attend to the committed cache below
+        `prefix_len` (shared) and causally to their own keys/values, computed from
+        that branch's hidden states. The cache is only read: the DP explores draft
+        models without disturbing the request.
+        """
+        num_branches, num_tokens, d = h.shape
+        layer_index, is_mlp = divmod(item, 2)
+        layer = self.layers[layer_index]
+        flat = h.reshape(num_branches * num_tokens, d)
+        if is_mlp:
+            return (flat + self._mlp(layer, flat)).view_as(h)
+        s = self.spec
+        end = prefix_len + num_tokens
+        cos, sin = self._rotary_tables(end)
+        qkv = layer.qkv(self._rms_norm(flat, layer.input_norm))
+        q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim], -1)
+        q = q.reshape(num_branches, num_tokens, s.num_heads, s.head_dim)
+        k = k.reshape(num_branches, num_tokens, s.num_kv_heads, s.head_dim)
+        v = v.reshape(num_branches, num_tokens, s.num_kv_heads, s.head_dim)
+        if layer.q_norm is not None:
+            q = self._rms_norm(q, layer.q_norm)
+            k = self._rms_norm(k, layer.k_norm)
+        cos, sin = cos[prefix_len:end], sin[prefix_len:end]  # [r, head_dim], broadcast over branches
+        q = _apply_rotary(q, cos, sin) * self._scale
+        k = _apply_rotary(k, cos, sin)
+        groups = s.num_query_groups
+        # As in _grouped_attention, query head h reads KV head h // groups.
+        qg = q.view(num_branches, num_tokens, s.num_kv_heads, groups, s.head_dim).permute(2, 0, 3, 1, 4)
+        # qg: [kv_heads, B, groups, r, head_dim]
+        prefix_k, prefix_v = cache.view(layer_index, prefix_len)  # [kv_heads, p, head_dim]
+        scores_prefix = torch.matmul(
+            qg.reshape(s.num_kv_heads, -1, s.head_dim), prefix_k.transpose(1, 2)
+        ).view(s.num_kv_heads, num_branches, groups, num_tokens, prefix_len)
+        own_k = k.permute(2, 0, 3, 1)  # [kv_heads, B, head_dim, r]
+        own_v = v.permute(2, 0, 1, 3)  # [kv_heads, B, r, head_dim]
+        scores_own = torch.matmul(qg, own_k[:, :, None])  # [kv_heads, B, groups, r, r]
+        causal = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=h.device).triu(1)
+        scores_own = scores_own.masked_fill(causal, float("-inf"))
+        probs = torch.softmax(torch.cat([scores_prefix, scores_own], dim=-1).float(), dim=-1).to(h.dtype)
+        out = torch.matmul(
+            probs[..., :prefix_len].reshape(s.num_kv_heads, -1, prefix_len), prefix_v
+        ).view(s.num_kv_heads, num_branches, groups, num_tokens, s.head_dim)
+        out = out + torch.matmul(probs[..., prefix_len:], own_v[:, :, None])
+        # -> [B, r, heads * head_dim] with heads ordered (kv_head, group)
+        out = out.permute(1, 3, 0, 2, 4).reshape(num_branches * num_tokens, s.num_heads * s.head_dim)
+        return (flat + layer.o(out)).view_as(h)
 
     @property
     def prefill_chunk(self) -> int:
