@@ -13,14 +13,20 @@ Writes OUT/benchmark.json and prints markdown tables.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# jobs/profile.py would shadow the standard library's `profile` module (which torch and
+# transformers import) for every script run from this folder: take the folder off the path.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
+
 import argparse
 import json
 import logging
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 

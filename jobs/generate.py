@@ -10,11 +10,17 @@ they are checked before the model is loaded, as far as they can be without it.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# jobs/profile.py would shadow the standard library's `profile` module (which torch and
+# transformers import) for every script run from this folder: take the folder off the path.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
+
 import argparse
 import json
 import logging
-import sys
-from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -24,6 +30,7 @@ from pipeline.drafters import DEFAULT_MAX_DRAFT
 from pipeline.engine import STRATEGIES, Engine, EngineConfig, StrategyConfig
 from pipeline.errors import ConfigError, KnapSpecError, RowError
 from pipeline.linear import DTYPE_CHOICES, resolve_compute_mode
+from pipeline.prompt_lookup import DEFAULT_LOOKUP_MAX_DRAFT
 from pipeline.prompts import DEFAULT_INSTRUCTION, build_prompt
 from pipeline.sampling import SamplingParams
 
@@ -91,7 +98,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--skip", type=_skip_items, help="items the `static` drafter skips, e.g. 4,6,8 (item 2i: attention of layer i)"
     )
-    parser.add_argument("--max-draft", type=_positive_int, default=DEFAULT_MAX_DRAFT)
+    parser.add_argument(
+        "--max-draft",
+        type=_positive_int,
+        help=f"most drafted tokens per step (default: {DEFAULT_MAX_DRAFT}; {DEFAULT_LOOKUP_MAX_DRAFT} for the lookups)",
+    )
     parser.add_argument("--instruction", default=DEFAULT_INSTRUCTION, help="prompt template containing {document}")
     parser.add_argument("--cache-dir", type=Path, help=f"default: {checkpoint.default_cache_dir()}")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")

@@ -151,7 +151,9 @@ def decode(
     stats.decode_s = time.perf_counter() - t0
     stats.output_tokens = len(output)
     finish = "eos" if output[-1] in config.eos_token_ids else "length"
-    return GenerationResult(token_ids=output, stats=stats, finish_reason=finish)
+    # Searching drafters report their own numbers (search time, plans chosen).
+    extra = drafter.summary() if hasattr(drafter, "summary") else {}
+    return GenerationResult(token_ids=output, stats=stats, finish_reason=finish, extra=extra)
 
 
 def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

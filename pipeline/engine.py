@@ -3,7 +3,13 @@
 Strategies:
 - `hf`: transformers `generate()`, the outside reference;
 - `ar`: our sublayer runner, plain autoregressive decoding;
-- `static`: self-speculative decoding with a fixed set of skipped items.
+- `static`: self-speculative decoding with a fixed set of skipped items;
+- `lookup`: speculative decoding with drafts copied from the context (prompt lookup);
+- `hf-lookup`: transformers `generate()` with its own prompt lookup, the outside reference for `lookup`;
+- `knapspec`: the latency-aware knapsack over sublayers, TPT over γ, AR fallback;
+- `knapspec-coupled`: the same with a layer's attention and MLP skipped together (ablation);
+- `clasp`, `swift`, `early-exit`: self-speculative baselines (see baselines.py);
+- `knapspec-lookup`: KnapSpec plus prompt-lookup drafts in the same TPT search.
 """
 
 from __future__ import annotations
@@ -15,17 +21,30 @@ from pathlib import Path
 import torch
 
 from pipeline import checkpoint
+from pipeline.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter
 from pipeline.decoding import DecodeConfig, GenerationResult, GenerationStats, Prefilled, decode, prefill
 from pipeline.drafters import DEFAULT_MAX_DRAFT, Drafter, LayerSkipDrafter, NoDraft, default_static_skip
 from pipeline.errors import ConfigError
-from pipeline.hf_reference import hf_generate, prepare_hf_model
+from pipeline.hf_reference import prepare_hf_model, run_hf_generate
+from pipeline.hybrid import KnapSpecLookupDrafter
+from pipeline.knapspec import KnapSpecConfig, KnapSpecDrafter
+from pipeline.latency_model import LatencyModel
 from pipeline.linear import ComputeMode, resolve_compute_mode
+from pipeline.prompt_lookup import DEFAULT_LOOKUP_MAX_DRAFT, DEFAULT_MAX_NGRAM, PromptLookupDrafter
 from pipeline.sampling import SamplingParams
 from pipeline.sublayer_model import SublayerModel
 
 logger = logging.getLogger(__name__)
 
-STRATEGIES = ("hf", "ar", "static")
+SEARCHING_STRATEGIES = ("knapspec", "knapspec-coupled", "clasp", "swift", "early-exit", "knapspec-lookup")
+STRATEGIES = ("hf", "ar", "static", "lookup", "hf-lookup", *SEARCHING_STRATEGIES)
+# Copied drafts: 3 tokens measured better than the layer-skip default of 4 on CPU (see prompt_lookup.py);
+# the searching strategies choose γ themselves up to D (KnapSpecConfig.max_draft).
+_DEFAULT_MAX_DRAFTS = {
+    "lookup": DEFAULT_LOOKUP_MAX_DRAFT,
+    "hf-lookup": DEFAULT_LOOKUP_MAX_DRAFT,
+    **{name: KnapSpecConfig.max_draft for name in SEARCHING_STRATEGIES},
+}
 
 
 @dataclass(frozen=True)
@@ -34,17 +53,23 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     cache_dir: Path | None = None
+    # The latency model of the searching strategies; None: this device's calibration from
+    # the store (measured on first use, about ten seconds for a small model).
+    latency: LatencyModel | None = None
+    calibration_dir: Path | None = None
 
 
 @dataclass(frozen=True)
 class StrategyConfig:
     name: str = "ar"
     skip: tuple[int, ...] | None = None  # items skipped by `static`; None for the default set
-    max_draft: int = DEFAULT_MAX_DRAFT
+    max_draft: int | None = None  # None: the strategy's default (3 for the lookups, else 4)
 
     def __post_init__(self) -> None:
         if self.name not in STRATEGIES:
             raise ConfigError(f"unknown strategy {self.name!r}; choose one of {', '.join(STRATEGIES)}")
+        if self.max_draft is None:
+            object.__setattr__(self, "max_draft", _DEFAULT_MAX_DRAFTS.get(self.name, DEFAULT_MAX_DRAFT))
 
 
 class Engine:
@@ -59,6 +84,7 @@ class Engine:
         self.model = SublayerModel.from_tensors(self.hf_config, tensors, self.mode, self.device)
         self.eos_token_ids = _eos_token_ids(self.path, self.hf_config, self.tokenizer)
         self._hf_model = None
+        self._latency = config.latency
         logger.info("Loaded %s (%d layers) in %s mode", self.path.name, self.model.spec.num_layers, self.mode.value)
 
     @property
@@ -72,10 +98,32 @@ class Engine:
             self._hf_model = prepare_hf_model(model, self.mode)
         return self._hf_model
 
+    @property
+    def latency(self) -> LatencyModel:
+        if self._latency is None:
+            # profiling builds on pipeline; imported here so that pipeline imports without it.
+            from profiling.calibration import CalibrationKey, CalibrationStore
+
+            store = CalibrationStore(self.config.calibration_dir)
+            key = CalibrationKey.for_model(self.model, self.path.name)
+            self._latency = store.load_or_measure(self.model, key).latency
+        return self._latency
+
     def drafter(self, strategy: StrategyConfig) -> Drafter:
         if strategy.name == "static":
             skip = strategy.skip if strategy.skip is not None else default_static_skip(self.model.spec.num_layers)
             return LayerSkipDrafter(skip, self.model.spec.num_items, max_draft=strategy.max_draft)
+        if strategy.name == "lookup":
+            return PromptLookupDrafter(max_draft=strategy.max_draft)
+        if strategy.name in SEARCHING_STRATEGIES:
+            config = KnapSpecConfig(max_draft=strategy.max_draft, coupled=strategy.name == "knapspec-coupled")
+            if strategy.name in ("knapspec", "knapspec-coupled"):
+                return KnapSpecDrafter(self.latency, config)
+            if strategy.name == "knapspec-lookup":
+                return KnapSpecLookupDrafter(self.latency, config, PromptLookupDrafter())
+            return {"clasp": ClaspDrafter, "swift": SwiftDrafter, "early-exit": EarlyExitDrafter}[strategy.name](
+                self.latency, config
+            )
         return NoDraft()
 
     def prefill(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> Prefilled:
@@ -96,23 +144,37 @@ class Engine:
                 f"{prompt_ids.numel()} prompt tokens + {max_new_tokens} new tokens exceed this model's "
                 f"{self.model.max_context}-token context; shorten the prompt or lower max_new_tokens"
             )
-        if strategy.name == "hf":
-            return self._generate_hf(prompt_ids, config, params)
+        if strategy.name in ("hf", "hf-lookup"):
+            return self._generate_hf(prompt_ids, config, params, strategy)
         drafter = self.drafter(strategy)
         if prefilled is None:
             prefilled = self.prefill(prompt_ids, max_new_tokens)
-        return decode(self.model, prefilled, config, params, drafter)
+        return decode(self.model, prefilled, config, params, drafter, prompt_ids.tolist())
 
-    def _generate_hf(self, prompt_ids: torch.Tensor, config: DecodeConfig, params: SamplingParams) -> GenerationResult:
-        token_ids, prefill_s, decode_s = hf_generate(
-            self.hf_model, prompt_ids, config.max_new_tokens, config.eos_token_ids, params, self.tokenizer.pad_token_id
+    def _generate_hf(
+        self, prompt_ids: torch.Tensor, config: DecodeConfig, params: SamplingParams, strategy: StrategyConfig
+    ) -> GenerationResult:
+        lookup = strategy.name == "hf-lookup"
+        run = run_hf_generate(
+            self.hf_model,
+            prompt_ids,
+            config.max_new_tokens,
+            config.eos_token_ids,
+            params,
+            self.tokenizer.pad_token_id,
+            prompt_lookup_num_tokens=strategy.max_draft if lookup else None,
+            max_matching_ngram_size=DEFAULT_MAX_NGRAM if lookup else None,
         )
+        token_ids = run.token_ids
+        # generate() does not say how many tokens it drafted, only how many forwards it
+        # ran; tokens beyond one per forward were accepted drafts.
         stats = GenerationStats(
             prompt_tokens=prompt_ids.numel(),
             output_tokens=len(token_ids),
-            steps=max(len(token_ids) - 1, 0),
-            prefill_s=prefill_s,
-            decode_s=decode_s,
+            steps=run.num_forwards,
+            accepted_tokens=max(len(token_ids) - 1 - run.num_forwards, 0),
+            prefill_s=run.prefill_s,
+            decode_s=run.decode_s,
         )
         finish = "eos" if token_ids and token_ids[-1] in config.eos_token_ids else "length"
         return GenerationResult(token_ids=token_ids, stats=stats, finish_reason=finish)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection
+from dataclasses import dataclass
 
 import torch
 
@@ -21,8 +22,20 @@ def prepare_hf_model(model, mode: ComputeMode):
     return model
 
 
+@dataclass
+class HFRun:
+    token_ids: list[int]  # the new tokens
+    prefill_s: float
+    decode_s: float
+    num_forwards: int  # full-model forwards after the prefill one
+
+
 class _FirstTokenClock:
-    """A streamer that notes when the first new token arrives (the end of prefill)."""
+    """A streamer that notes when the first new token arrives (the end of prefill).
+
+    generate() streams once per forward (a whole accepted run in assisted decoding), so
+    its calls also count the forwards.
+    """
 
     def __init__(self) -> None:
         self.calls = 0
@@ -44,8 +57,40 @@ def hf_generate(
     eos_token_ids: Collection[int],
     params: SamplingParams,
     pad_token_id: int | None,
+    prompt_lookup_num_tokens: int | None = None,
+    max_matching_ngram_size: int | None = None,
 ) -> tuple[list[int], float, float]:
     """Run `generate()`; returns (new token ids, prefill seconds, decode seconds)."""
+    run = run_hf_generate(
+        model,
+        prompt_ids,
+        max_new_tokens,
+        eos_token_ids,
+        params,
+        pad_token_id,
+        prompt_lookup_num_tokens,
+        max_matching_ngram_size,
+    )
+    return run.token_ids, run.prefill_s, run.decode_s
+
+
+def run_hf_generate(
+    model,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    eos_token_ids: Collection[int],
+    params: SamplingParams,
+    pad_token_id: int | None,
+    prompt_lookup_num_tokens: int | None = None,
+    max_matching_ngram_size: int | None = None,
+) -> HFRun:
+    """Run `generate()`, with transformers' own prompt lookup when `prompt_lookup_num_tokens` is set.
+
+    Transformers' lookup differs from ours: it takes the earliest match, not the most
+    recent, and falls back to single-token matches; `max_matching_ngram_size` is its
+    longest n-gram (default 2). In assisted decoding the prefill forward also verifies
+    the first draft, so `prefill_s` then includes up to that many extra positions.
+    """
     from transformers import GenerationConfig
 
     generation_config = GenerationConfig(
@@ -57,6 +102,8 @@ def hf_generate(
         eos_token_id=sorted(eos_token_ids),
         pad_token_id=pad_token_id,
         num_beams=1,
+        prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+        max_matching_ngram_size=max_matching_ngram_size,
     )
     if not params.greedy and params.seed is not None:
         torch.manual_seed(params.seed)
@@ -72,4 +119,6 @@ def hf_generate(
         )
     t1 = time.perf_counter()
     first = clock.first_token_at or t1
-    return out[0, input_ids.shape[1] :].tolist(), first - t0, t1 - first
+    # Calls: the prompt, then one per forward; the first forward is the prefill.
+    num_forwards = max(clock.calls - 2, 0)
+    return HFRun(out[0, input_ids.shape[1] :].tolist(), first - t0, t1 - first, num_forwards)

@@ -35,7 +35,15 @@ TINY_FAMILIES = {
 }
 
 
-def make_tiny_checkpoint(path: Path, family: str, seed: int = 0, init_scale: float = 1.0, logit_scale: float = 5.0) -> Path:
+def make_tiny_checkpoint(
+    path: Path,
+    family: str,
+    seed: int = 0,
+    init_scale: float = 1.0,
+    logit_scale: float = 5.0,
+    quiet_layers: tuple[int, ...] = (),
+    **overrides,
+) -> Path:
     """A random model of `family`, saved with save_pretrained (safetensors) as a user would have it.
 
     Weights are drawn larger than at initialization so that the model is confident and
@@ -43,7 +51,7 @@ def make_tiny_checkpoint(path: Path, family: str, seed: int = 0, init_scale: flo
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    settings = dict(TINY_COMMON, **TINY_FAMILIES[family])
+    settings = dict(TINY_COMMON, **TINY_FAMILIES[family], **overrides)
     model_type = settings.pop("model_type")
     config = AutoConfig.for_model(model_type, **settings)
     torch.manual_seed(seed)
@@ -56,6 +64,12 @@ def make_tiny_checkpoint(path: Path, family: str, seed: int = 0, init_scale: flo
                 p.normal_(0.0, logit_scale / p.shape[-1] ** 0.5)
             else:
                 p.normal_(0.0, init_scale / p.shape[-1] ** 0.5)
+        # Trained models are redundant: some sublayers barely move the residual stream,
+        # which is what makes skipping them cheap in agreement. Random models are not.
+        for layer in quiet_layers:
+            block = model.model.layers[layer]
+            block.self_attn.o_proj.weight.mul_(0.05)
+            block.mlp.down_proj.weight.mul_(0.05)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -68,6 +82,14 @@ def tiny_checkpoint(request, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_deep_llama(tmp_path_factory) -> Path:
+    """Eight layers, four of them nearly redundant: draft subsets can agree with the full model."""
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny-deep-llama"), "llama", num_hidden_layers=8, quiet_layers=(2, 3, 4, 5)
+    )
 
 
 def load_tiny(path: Path, mode: str = "fp32"):

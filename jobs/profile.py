@@ -1,0 +1,208 @@
+#!/usr/bin/env python
+"""Calibrate KnapSpec's latency model for one model on one device, in this process.
+
+    python jobs/profile.py                                  # embedded model, default dtype, CPU
+    python jobs/profile.py --dtype fp32 --context-lengths 512,2048 --output out/latency.json
+
+Measures attention at each context length, the MLP, the fixed cost and verify forwards
+(see profiling/microbench.py), stores the calibration in the store under the cache
+directory (reused on the next run unless --force) and prints a markdown table.
+Bad arguments end with one `error: ...` line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run as a script, this file's folder comes first on sys.path, where its name would
+# shadow the standard library's `profile` (which cProfile, and so torch, may import).
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    del sys.path[0]
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+from typing import NoReturn  # noqa: E402
+
+import torch  # noqa: E402
+
+from pipeline import checkpoint  # noqa: E402
+from pipeline.engine import Engine, EngineConfig  # noqa: E402
+from pipeline.errors import ConfigError, KnapSpecError  # noqa: E402
+from pipeline.linear import DTYPE_CHOICES, resolve_compute_mode  # noqa: E402
+from profiling import microbench  # noqa: E402
+from profiling.calibration import DEFAULT_LAYOUT, Calibration, CalibrationKey, CalibrationStore  # noqa: E402
+
+logger = logging.getLogger("profile")
+
+EXIT_USAGE = 2
+# Contexts at which the table shows the knapsack's integer weights, besides the measured ones.
+EXTRA_WEIGHT_CONTEXTS = (8192,)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but its errors end in the same one `error:` line as every other failure."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"error: {message} (see --help)\n")
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {number}")
+    return number
+
+
+def _context_lengths(value: str) -> tuple[int, ...]:
+    try:
+        lengths = tuple(int(part) for part in value.split(",") if part.strip())
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts like 128,1024, got {value!r}")
+    return lengths
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = _Parser(prog="profile.py", description="Calibrate the KnapSpec latency model on this device.")
+    parser.add_argument(
+        "--model", help=f"a local Hugging Face checkpoint folder (default: the embedded {checkpoint.EMBEDDED_MODEL})"
+    )
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--context-lengths",
+        type=_context_lengths,
+        default=",".join(map(str, microbench.DEFAULT_CONTEXT_LENGTHS)),
+        help="cached tokens at which attention is timed (default: %(default)s)",
+    )
+    parser.add_argument("--repeats", type=_positive_int, default=microbench.DEFAULT_REPEATS)
+    parser.add_argument(
+        "--max-verify",
+        type=_positive_int,
+        default=microbench.DEFAULT_MAX_VERIFY,
+        help="verify forwards of 1..K tokens are timed (default: %(default)s)",
+    )
+    parser.add_argument("--output", type=Path, help="also write the calibration JSON here")
+    parser.add_argument("--force", action="store_true", help="re-measure even if a calibration is stored")
+    parser.add_argument("--cache-dir", type=Path, help=f"default: {checkpoint.default_cache_dir()}")
+    parser.add_argument("--store", type=Path, help="calibration store folder (default: CACHE_DIR/calibration)")
+    parser.add_argument("--quiet", action="store_true", help="log warnings only")
+    return parser.parse_args(argv)
+
+
+def _check_settings(args: argparse.Namespace) -> None:
+    """Everything that can be checked before the model is loaded."""
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {args.device!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {args.device!r} asked for, but CUDA is not available")
+    resolve_compute_mode(args.dtype, device)
+    if args.model is not None and args.model != checkpoint.EMBEDDED_MODEL:
+        checkpoint.resolve_checkpoint(args.model)
+    if args.output is not None and args.output.is_dir():
+        raise ConfigError(f"--output {args.output} is a folder; give a file name like {args.output / 'latency.json'}")
+
+
+def run(args: argparse.Namespace) -> Calibration:
+    _check_settings(args)
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir))
+    cache_dir = args.cache_dir or checkpoint.default_cache_dir()
+    store = CalibrationStore(args.store or cache_dir / "calibration")
+    key = CalibrationKey.for_model(engine.model, engine.name, layout=DEFAULT_LAYOUT)
+    calibration = store.load_or_measure(
+        engine.model,
+        key,
+        force=args.force,
+        context_lengths=args.context_lengths,
+        max_verify=args.max_verify,
+        repeats=args.repeats,
+    )
+    if args.output is not None:
+        calibration.save(args.output)
+        logger.info("wrote %s", args.output)
+    return calibration
+
+
+def format_table(calibration: Calibration) -> str:
+    """The calibration as markdown: the fit, the measurements, verify ratios and weights."""
+    lat = calibration.latency
+    residuals = calibration.fit_residuals
+    ms = 1e3
+    lines = [
+        f"## Latency model: {calibration.model} ({calibration.dtype}, {calibration.layout})",
+        "",
+        f"{calibration.device}; torch {calibration.torch_version}; measured {calibration.created_at}, "
+        f"median of {calibration.repeats}",
+        "",
+        "| quantity | value |",
+        "|---|---|",
+        f"| t_attn(n) = a·n + b | a = {lat.attn_slope * 1e6:.4f} µs/token, b = {lat.attn_base * ms:.3f} ms "
+        f"(residual {_percent(residuals.get('t_attn'))}) |",
+        f"| t_mlp | {lat.t_mlp * ms:.3f} ms |",
+        f"| t_fixed (embed + norm + LM head) | {lat.t_fixed * ms:.3f} ms |",
+        f"| t_forward({calibration.reference_context}) model / measured | "
+        f"{lat.t_forward(calibration.reference_context) * ms:.2f} / {calibration.t_verify_measured[0] * ms:.2f} ms "
+        f"({_percent(residuals.get('t_forward'))}) |",
+        "",
+        "| n | attention ms (measured) | fit ms | attention / MLP | weights attn / MLP |",
+        "|---|---|---|---|---|",
+    ]
+    measured = dict(zip(calibration.context_lengths, calibration.t_attn_measured))
+    for n in sorted(set(calibration.context_lengths) | set(EXTRA_WEIGHT_CONTEXTS)):
+        weights = lat.item_weights(n)
+        shown = f"{measured[n] * ms:.3f}" if n in measured else "—"
+        lines.append(
+            f"| {n} | {shown} | {lat.t_attn(n) * ms:.3f} | {_ratio(lat.t_attn(n), lat.t_mlp)} | "
+            f"{weights[0]} / {weights[1]} |"
+        )
+    ks = range(1, lat.max_verify + 1)
+    lines += [
+        "",
+        f"Verify of k tokens at context {calibration.reference_context}, relative to one token:",
+        "",
+        "| k | " + " | ".join(str(k) for k in ks) + " |",
+        "|---|" + "---|" * len(ks),
+        "| ratio | " + " | ".join(f"{r:.2f}" for r in lat.verify_ratios) + " |",
+        "| ms | " + " | ".join(f"{t * ms:.1f}" for t in calibration.t_verify_measured) + " |",
+    ]
+    return "\n".join(lines)
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b > 0 else "inf"
+
+
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        calibration = run(args)
+    except (KnapSpecError, OSError, ValueError) as e:
+        # Configuration problems: the message says what to fix, a traceback adds nothing.
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    print(format_table(calibration))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The KnapSpec drafter: a latency-aware knapsack picks the draft model, TPT picks γ.
+
+Every `reoptimize_every` steps (and when the context has grown enough to change the
+integer item weights) it runs the knapsack DP on the last r committed tokens,
+estimates each candidate's acceptance α from its top-1 agreement with the full
+model there, and chooses the (skip set, γ) with the best predicted tokens per time —
+or plain decoding when speculation is not predicted to win.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.drafters import DEFAULT_CONFIDENCE_THRESHOLD, Draft, DraftRequest, LayerSkipDrafter
+from pipeline.errors import ConfigError
+from pipeline.knapsack import DEFAULT_THRESHOLD, KnapsackProblem, default_always_execute, run_dp
+from pipeline.latency_model import LatencyModel
+from pipeline.sublayer_model import SublayerModel
+from pipeline.tpt import (
+    DEFAULT_MARGIN,
+    DEFAULT_PRIOR_MEAN,
+    DEFAULT_PRIOR_STRENGTH,
+    DraftPlan,
+    ScoredCandidate,
+    choose_plan,
+    smoothed_alpha,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KnapSpecConfig:
+    num_reference_tokens: int = 16  # r
+    reoptimize_every: int = 64  # verification steps between DP runs
+    max_draft: int = 10  # D: γ is searched in 1..D
+    threshold: float = DEFAULT_THRESHOLD  # τ of the DP
+    confidence_threshold: float = DEFAULT_CONFIDENCE_THRESHOLD
+    margin: float = DEFAULT_MARGIN  # how much speculation must beat AR by
+    max_branches: int | None = 8  # DP cells kept per row: bounds the DP's cost on CPU
+    weight_cap: int = 5
+    coupled: bool = False  # skip a layer's attention and MLP together (the paper's ablation)
+    prior_mean: float = DEFAULT_PRIOR_MEAN
+    prior_strength: float = DEFAULT_PRIOR_STRENGTH
+
+    def __post_init__(self) -> None:
+        if self.num_reference_tokens < 2:
+            raise ConfigError("num_reference_tokens must be >= 2")
+        if self.reoptimize_every < 1 or self.max_draft < 1:
+            raise ConfigError("reoptimize_every and max_draft must be >= 1")
+
+
+class ReplanningDrafter:
+    """Drafts with a layer-skip plan that it recomputes every `reoptimize_every` steps
+    (and whenever the context has grown enough to change the integer item weights).
+
+    Subclasses decide the plan; this class times the search, keeps the acceptance
+    observed under the current plan, and drafts with the plan's skip set and γ.
+    """
+
+    def __init__(self, latency: LatencyModel, config: KnapSpecConfig) -> None:
+        self.latency = latency
+        self.config = config
+        self.max_draft = config.max_draft
+        self.plan: DraftPlan | None = None
+        self._weights: tuple[int, ...] | None = None
+        self._steps_since_plan = 0
+        self._accepted = self._drafted = 0  # under the current plan
+        self._drafter: LayerSkipDrafter | None = None
+        # Reported in GenerationResult.extra.
+        self.optimize_s = 0.0
+        self.plans: list[DraftPlan] = []
+
+    def propose(self, request: DraftRequest) -> Draft:
+        context = request.cache.length
+        if self._due(context) and context > self.config.num_reference_tokens:
+            t0 = time.perf_counter()
+            self._set_plan(self.make_plan(request), request.model, context)
+            self.optimize_s += time.perf_counter() - t0
+        if self._drafter is None:
+            return Draft([])
+        return self._drafter.propose(request)
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        self._steps_since_plan += 1
+        self._drafted += num_drafted
+        self._accepted += num_accepted
+
+    def summary(self) -> dict:
+        plans = [p for p in self.plans if not p.use_ar]
+        return {
+            "optimize_s": self.optimize_s,
+            "num_optimizations": len(self.plans),
+            "num_chose_ar": len(self.plans) - len(plans),
+            "predicted_tpt": self.plans[-1].predicted_tpt if self.plans else None,
+            "mean_skipped_attn": _mean([sum(1 for i in p.skip if i % 2 == 0) for p in plans]),
+            "mean_skipped_mlp": _mean([sum(1 for i in p.skip if i % 2 == 1) for p in plans]),
+        }
+
+    def make_plan(self, request: DraftRequest) -> DraftPlan:
+        raise NotImplementedError
+
+    def observed(self, skip: frozenset[int]) -> tuple[int, int]:
+        """(accepted, drafted) seen so far under the current plan, if it drafts with `skip`."""
+        if self.plan is not None and self.plan.skip == skip:
+            return self._accepted, self._drafted
+        return 0, 0
+
+    def reference(self, request: DraftRequest) -> tuple[torch.Tensor, int]:
+        """The last r committed tokens [r] and the position they start at."""
+        context = request.cache.length
+        prefix = context - self.config.num_reference_tokens
+        return torch.tensor(request.token_ids[prefix:context], device=request.model.device), prefix
+
+    def _due(self, context: int) -> bool:
+        if self.plan is None or self._steps_since_plan >= self.config.reoptimize_every:
+            return True
+        # A longer context makes attention dearer; new integer weights mean a new knapsack.
+        return tuple(self.latency.item_weights(context, self.config.weight_cap)) != self._weights
+
+    def _set_plan(self, plan: DraftPlan, model: SublayerModel, context: int) -> None:
+        self.plan = plan
+        self.plans.append(plan)
+        self._weights = tuple(self.latency.item_weights(context, self.config.weight_cap))
+        self._steps_since_plan = 0
+        self._accepted = self._drafted = 0
+        self._drafter = (
+            None
+            if plan.use_ar
+            else LayerSkipDrafter(plan.skip, model.spec.num_items, plan.gamma, self.config.confidence_threshold)
+        )
+        logger.debug(
+            "context %d: %s, predicted %.1f tok/s vs AR %.1f",
+            context,
+            "AR" if plan.use_ar else f"skip {sorted(plan.skip)} γ={plan.gamma} α={plan.alpha:.2f}",
+            plan.predicted_tpt,
+            plan.ar_tpt,
+        )
+
+
+class KnapSpecDrafter(ReplanningDrafter):
+    """The latency-aware knapsack over items, TPT over γ, AR when speculation would not pay."""
+
+    def make_plan(self, request: DraftRequest) -> DraftPlan:
+        config, context = self.config, request.cache.length
+        ref_ids, prefix = self.reference(request)
+        weights = tuple(self.latency.item_weights(context, config.weight_cap))
+        candidates = search_candidates(request.model, request.cache, ref_ids, prefix, weights, config)
+        scored = [self.score(skip, top1, candidates[0][1], context) for skip, top1 in candidates]
+        return choose_plan(scored, lambda k: self.latency.t_verify(k, context), config.max_draft, config.margin)
+
+    def score(self, skip: frozenset[int], top1: torch.Tensor, full_top1: torch.Tensor, context: int) -> ScoredCandidate:
+        """α from top-1 agreement on the reference tokens and what decoding accepted."""
+        matches = int((top1 == full_top1).sum())
+        accepted, drafted = self.observed(skip)
+        alpha = smoothed_alpha(
+            matches, top1.numel(), accepted, drafted, self.config.prior_mean, self.config.prior_strength
+        )
+        return ScoredCandidate(skip, alpha, self.latency.t_draft(skip, context))
+
+
+def _mean(values: list[int]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def search_candidates(
+    model: SublayerModel,
+    cache,
+    ref_ids: torch.Tensor,
+    prefix: int,
+    weights: tuple[int, ...],
+    config: KnapSpecConfig,
+) -> list[tuple[frozenset[int], torch.Tensor]]:
+    """Run the DP on reference tokens at [prefix, prefix + r); returns (skip set, top-1
+    tokens [r]) per candidate, the full model (empty skip) first."""
+    num_layers = model.spec.num_layers
+    always = default_always_execute(num_layers)
+
+    if config.coupled:
+        # Layer-granular items: attention and MLP of a layer skipped together.
+        layer_weights = tuple(weights[2 * i] + weights[2 * i + 1] for i in range(num_layers))
+        problem = KnapsackProblem(
+            weights=layer_weights,
+            budget=sum(layer_weights) // 2,
+            threshold=config.threshold,
+            always_execute=frozenset({0, num_layers - 1}),
+            max_branches=config.max_branches,
+        )
+
+        def run_layer(layer: int, hidden: torch.Tensor) -> torch.Tensor:
+            hidden = model.run_item_branches(2 * layer, hidden, cache, prefix)
+            return model.run_item_branches(2 * layer + 1, hidden, cache, prefix)
+
+        frontier = run_dp(model.embed_tokens(ref_ids), problem, run_layer)
+        skips = [frozenset(j for i in skip for j in (2 * i, 2 * i + 1)) for skip in frontier.skips]
+    else:
+        problem = KnapsackProblem(
+            weights=weights,
+            budget=sum(weights) // 2,
+            threshold=config.threshold,
+            always_execute=always,
+            max_branches=config.max_branches,
+        )
+        frontier = run_dp(
+            model.embed_tokens(ref_ids),
+            problem,
+            lambda item, hidden: model.run_item_branches(item, hidden, cache, prefix),
+        )
+        skips = frontier.skips
+    num_branches, num_tokens, d = frontier.hidden.shape
+    top1 = model.logits(frontier.hidden.reshape(-1, d)).argmax(-1).view(num_branches, num_tokens)
+    order = sorted(range(num_branches), key=lambda b: frontier.weights[b])
+    return [(skips[b], top1[b]) for b in order]

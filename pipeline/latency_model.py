@@ -1,0 +1,141 @@
+"""KnapSpec's latency model of one device: what an item, a draft token and a verify cost.
+
+The paper models the decode cost of a sublayer by its kind: an attention item grows
+linearly with the number n of cached tokens, t_attn(n) = a·n + b, while an MLP item
+costs a constant t_mlp. Every forward also pays a fixed cost (embedding, final norm
+and LM head) that no skip set removes. A draft token with skip set S costs
+t_fixed + Σ_{i∉S} t_i, and verifying k tokens in one full forward costs
+t_forward(n) · r_k, where r_k is measured (k = 1..D+1). The knapsack works on integer
+weights w_i = round(t_i / Δ) with Δ = min(t_attn(n), t_mlp), capped as in the
+reference code.
+
+Pure arithmetic: the numbers come from `profiling` (microbenchmarks on the device
+that runs the layers).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping
+from dataclasses import asdict, dataclass, fields
+
+# The reference code caps an item's integer weight: a very slow item is still skipped
+# only as a whole, and a large cap blows up the DP's budget dimension.
+DEFAULT_WEIGHT_CAP = 5
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    """Per-device decode latencies, all in seconds."""
+
+    attn_slope: float  # a: seconds per cached token of one attention item
+    attn_base: float  # b: seconds of one attention item at n = 0
+    t_mlp: float  # one MLP item
+    t_fixed: float  # embedding + final norm + LM head of one token
+    verify_ratios: tuple[float, ...]  # [k - 1]: a full forward of k tokens / one of 1 token
+    num_layers: int
+    t_hop: float = 0.0  # one pipeline hop between stages; charged by whoever knows the layout
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "verify_ratios", tuple(float(r) for r in self.verify_ratios))
+        if self.num_layers < 1:
+            raise ValueError(f"a latency model needs at least one layer, got {self.num_layers}")
+        for name in ("attn_slope", "attn_base", "t_mlp", "t_fixed", "t_hop"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"latency {name} must be finite and >= 0, got {value}")
+        if not self.verify_ratios or self.verify_ratios[0] != 1.0:
+            raise ValueError(f"verify_ratios must start with 1.0 (k = 1), got {self.verify_ratios[:1]}")
+        if any(not math.isfinite(r) or r <= 0 for r in self.verify_ratios):
+            raise ValueError(f"verify_ratios must be finite and positive, got {self.verify_ratios}")
+
+    @property
+    def num_items(self) -> int:
+        return 2 * self.num_layers
+
+    @property
+    def max_verify(self) -> int:
+        """The most tokens one verify forward is modelled for (D + 1)."""
+        return len(self.verify_ratios)
+
+    # ------------------------------------------------------------ item costs
+
+    def t_attn(self, n: int) -> float:
+        """One decode token through one attention item with n cached tokens."""
+        return self.attn_slope * n + self.attn_base
+
+    def t_item(self, item: int, n: int) -> float:
+        """Item 2i is layer i's attention, item 2i+1 its MLP."""
+        self._check_item(item)
+        return self.t_mlp if item % 2 else self.t_attn(n)
+
+    # -------------------------------------------------------- token costs
+
+    def t_forward(self, n: int) -> float:
+        """One token through every item, plus the fixed cost."""
+        return self.t_draft((), n)
+
+    def t_draft(self, skip: Collection[int], n: int) -> float:
+        """One draft token of the sub-network that skips `skip` (Sec. 3: t_fixed + Σ executed t_i)."""
+        skipped = set(skip)
+        for item in skipped:
+            self._check_item(item)
+        num_attn_skipped = sum(1 for item in skipped if item % 2 == 0)
+        num_mlp_skipped = len(skipped) - num_attn_skipped
+        # Counting items (not summing them one by one) keeps t_draft(()) == t_forward exactly.
+        return (
+            (self.num_layers - num_attn_skipped) * self.t_attn(n)
+            + (self.num_layers - num_mlp_skipped) * self.t_mlp
+            + self.t_fixed
+        )
+
+    def t_verify(self, k: int, n: int) -> float:
+        """One full-model forward of k tokens (γ drafts + 1) after n cached tokens."""
+        if not 1 <= k <= self.max_verify:
+            raise ValueError(f"verify of {k} tokens is outside the modelled 1..{self.max_verify}")
+        return self.t_forward(n) * self.verify_ratios[k - 1]
+
+    # --------------------------------------------------------------- weights
+
+    def item_weights(self, n: int, cap: int = DEFAULT_WEIGHT_CAP) -> list[int]:
+        """Integer knapsack weights of the 2L items at context n (the paper's w_i).
+
+        Δ = min(t_attn(n), t_mlp) is the cheaper kind, weight 1; the other kind weighs
+        its cost in Δ units, rounded half up and clamped to [1, cap].
+        """
+        if cap < 1:
+            raise ValueError(f"weight cap must be >= 1, got {cap}")
+        t_attn = self.t_attn(n)
+        delta = min(t_attn, self.t_mlp)
+        w_attn, w_mlp = (_weight(t, delta, cap) for t in (t_attn, self.t_mlp))
+        return [w_mlp if item % 2 else w_attn for item in range(self.num_items)]
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["verify_ratios"] = list(self.verify_ratios)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> LatencyModel:
+        names = {f.name for f in fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"unknown latency model fields: {', '.join(sorted(unknown))}")
+        try:
+            return cls(**data)
+        except TypeError as e:  # a missing field
+            raise ValueError(f"incomplete latency model: {e}") from None
+
+    def _check_item(self, item: int) -> None:
+        if not 0 <= item < self.num_items:
+            raise ValueError(f"item {item} is outside 0..{self.num_items - 1}")
+
+
+def _weight(t: float, delta: float, cap: int) -> int:
+    if delta <= 0:
+        # A free item costs one unit; anything else is infinitely many free ones.
+        return 1 if t <= 0 else cap
+    # Half up, not Python's banker's rounding: a weight should not depend on parity.
+    return max(1, min(cap, math.floor(t / delta + 0.5)))

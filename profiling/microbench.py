@@ -1,0 +1,179 @@
+"""Microbenchmarks that calibrate KnapSpec's latency model on the device running the layers.
+
+What is timed is what decoding runs: one token through an attention item at several
+context lengths, through an MLP item, through the embedding + final norm + LM head,
+and full forwards of k = 1..D+1 tokens (a verify). Two choices keep the numbers honest:
+
+- Each sample sweeps one item kind over *every* layer in turn and divides by L. Timing
+  one layer over and over would find its weights and KV rows in the CPU caches (or
+  L2 on a GPU), which a real forward never does.
+- The KV cache is filled with random values, not left at zeros, and the tasks are timed
+  in interleaved rounds, so that noise hits all of them alike (see benchmark_interleaved).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from pipeline.errors import ConfigError
+from pipeline.latency_model import LatencyModel
+from pipeline.sublayer_model import SublayerModel
+from profiling.calibration import DEFAULT_LAYOUT, Calibration, device_name
+from profiling.fit import fit_linear, relative_rms
+from profiling.timer import benchmark_interleaved, timer_for
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONTEXT_LENGTHS = (128, 512, 1024, 2048, 4096)
+DEFAULT_MAX_VERIFY = 11  # D + 1 with the paper's D = 10 drafts
+DEFAULT_REPEATS = 5
+# A fit residual above this is reported as a suspect calibration.
+SUSPECT_RESIDUAL = 0.25
+
+
+def measure(
+    model: SublayerModel,
+    context_lengths: Sequence[int] = DEFAULT_CONTEXT_LENGTHS,
+    max_verify: int = DEFAULT_MAX_VERIFY,
+    repeats: int = DEFAULT_REPEATS,
+    warmup: int = 1,
+    reference_context: int | None = None,
+    model_name: str = "unknown",
+    layout: str = DEFAULT_LAYOUT,
+    seed: int = 0,
+) -> Calibration:
+    """Time `model`'s items on its device and fit its LatencyModel.
+
+    `reference_context` is where the verify forwards run (default: the middle context
+    length); context lengths the model cannot hold are dropped with a warning.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ConfigError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    if max_verify < 1:
+        raise ConfigError(f"max_verify must be >= 1, got {max_verify}")
+    lengths = _usable_lengths(context_lengths, model.max_context)
+    if reference_context is None:
+        reference_context = lengths[len(lengths) // 2]
+    # A verify at the reference context writes positions [ref, ref + max_verify).
+    reference_context = min(reference_context, model.max_context - max_verify)
+    if reference_context < 0:
+        raise ConfigError(f"max_verify {max_verify} exceeds this model's {model.max_context}-token context")
+
+    spec = model.spec
+    num_layers = spec.num_layers
+    device = model.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    cache = model.new_cache(max(lengths[-1] + 1, reference_context + max_verify))
+    # Random keys/values: zeros could take fast paths (or denormal slow paths) real caches never see.
+    cache.keys.normal_(generator=generator)
+    cache.values.normal_(generator=generator)
+    h = torch.randn(1, spec.hidden_size, generator=generator, device=device).to(model.dtype)  # [1, d]
+    token_ids = torch.randint(spec.vocab_size, (max_verify,), generator=generator, device=device)  # [max_verify]
+
+    def sweep(kind: int, n: int) -> Callable[[], None]:
+        # The same input for every layer: chaining outputs would let values drift over rounds.
+        def run() -> None:
+            for layer in range(num_layers):
+                model.run_item(2 * layer + kind, h, cache, n)
+
+        return run
+
+    @torch.inference_mode()
+    def fixed() -> None:
+        model.logits(model.embed_tokens(token_ids[:1]))
+
+    def verify(k: int) -> Callable[[], None]:
+        return lambda: model.forward(cache, token_ids[:k], reference_context, logits="all")
+
+    tasks: dict[str, Callable[[], object]] = {f"attn@{n}": sweep(0, n) for n in lengths}
+    tasks["mlp"] = sweep(1, 0)
+    tasks["fixed"] = fixed
+    tasks.update({f"verify@{k}": verify(k) for k in range(1, max_verify + 1)})
+    logger.info(
+        "calibrating %s (%s) on %s: contexts %s, verify of 1..%d tokens at %d, %d rounds",
+        model_name,
+        model.mode.value,
+        device,
+        ",".join(map(str, lengths)),
+        max_verify,
+        reference_context,
+        warmup + repeats,
+    )
+    timings = benchmark_interleaved(tasks, timer_for(device), repeats=repeats, warmup=warmup)
+
+    t_attn = [timings[f"attn@{n}"].median / num_layers for n in lengths]
+    t_verify = [timings[f"verify@{k}"].median for k in range(1, max_verify + 1)]
+    attn_fit = fit_linear(lengths, t_attn)
+    latency = LatencyModel(
+        attn_slope=attn_fit.slope,
+        attn_base=attn_fit.intercept,
+        t_mlp=timings["mlp"].median / num_layers,
+        t_fixed=timings["fixed"].median,
+        verify_ratios=verify_ratios(t_verify),
+        num_layers=num_layers,
+    )
+    residuals = {
+        "t_attn": attn_fit.residual,
+        # The sum of the parts against a measured whole: what per-forward overhead the model misses.
+        "t_forward": relative_rms([latency.t_forward(reference_context)], [t_verify[0]]),
+    }
+    logger.info("fit residuals: attention %.1f%%, forward %.1f%%", 100 * residuals["t_attn"], 100 * residuals["t_forward"])
+    if max(residuals.values()) > SUSPECT_RESIDUAL:
+        # On a quiet machine both stay within ~10%; far worse usually means another process
+        # shared the cores (OpenMP threads then wait on each other) and the numbers are noise.
+        logger.warning(
+            "this calibration is inconsistent (attention fit off by %.0f%%, parts vs whole forward by %.0f%%): "
+            "was the device busy? Re-measure when it is idle",
+            100 * residuals["t_attn"],
+            100 * residuals["t_forward"],
+        )
+    return Calibration(
+        latency=latency,
+        device=device_name(device),
+        model=model_name,
+        dtype=model.mode.value,
+        layout=layout,
+        num_threads=torch.get_num_threads(),
+        torch_version=torch.__version__,
+        created_at=Calibration.now(),
+        context_lengths=tuple(lengths),
+        t_attn_measured=tuple(t_attn),
+        reference_context=reference_context,
+        t_verify_measured=tuple(t_verify),
+        repeats=repeats,
+        fit_residuals=residuals,
+    )
+
+
+def verify_ratios(t_verify: Sequence[float]) -> tuple[float, ...]:
+    """Cost of a forward of k tokens relative to one token, made non-decreasing in k.
+
+    More tokens never do less work; a dip below an earlier ratio is noise, and a TPT
+    search would chase it by drafting longer.
+    """
+    if not t_verify or t_verify[0] <= 0:
+        raise ValueError(f"need a positive one-token forward time, got {list(t_verify[:1])}")
+    ratios = [1.0]
+    for t in t_verify[1:]:
+        ratios.append(max(ratios[-1], t / t_verify[0]))
+    return tuple(ratios)
+
+
+def _usable_lengths(context_lengths: Sequence[int], max_context: int) -> list[int]:
+    lengths = sorted({int(n) for n in context_lengths})
+    if not lengths or lengths[0] < 0:
+        raise ConfigError(f"context lengths must be non-negative and at least one, got {list(context_lengths)}")
+    # Attention at context n writes the new token's keys at position n.
+    usable = [n for n in lengths if n < max_context]
+    if len(usable) < len(lengths):
+        logger.warning(
+            "skipping context lengths %s: this model holds at most %d tokens",
+            ",".join(str(n) for n in lengths if n >= max_context),
+            max_context,
+        )
+    if not usable:
+        raise ConfigError(f"no context length below this model's {max_context}-token limit in {lengths}")
+    return usable

@@ -1,0 +1,125 @@
+"""KnapSpec and the baselines in the engine: lossless greedy output, AR fallback, re-planning."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import load_tiny
+
+from pipeline.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter, evaluate_skip_sets
+from pipeline.decoding import DecodeConfig, decode, prefill
+from pipeline.drafters import NoDraft
+from pipeline.hybrid import KnapSpecLookupDrafter
+from pipeline.knapspec import KnapSpecConfig, KnapSpecDrafter
+from pipeline.latency_model import LatencyModel
+from pipeline.prompt_lookup import PromptLookupDrafter
+from pipeline.sampling import SamplingParams
+
+# Few reference tokens and a weak prior: tiny models give the DP little to go on.
+CONFIG = KnapSpecConfig(
+    num_reference_tokens=8, reoptimize_every=6, max_draft=4, confidence_threshold=0.0, prior_strength=1.0
+)
+
+
+def latency(num_layers: int, verify_growth: float) -> LatencyModel:
+    """Attention dear relative to the MLP; verifying k tokens costs 1 + growth·(k − 1) of one."""
+    return LatencyModel(
+        attn_slope=2e-6,
+        attn_base=4e-3,
+        t_mlp=0.5e-3,
+        t_fixed=0.2e-3,
+        verify_ratios=tuple(1.0 + verify_growth * k for k in range(11)),
+        num_layers=num_layers,
+    )
+
+
+def prompt_ids(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(3, 96, (12,), generator=g)
+    return torch.cat([torch.randint(3, 96, (20,), generator=g), phrase, torch.randint(3, 96, (8,), generator=g), phrase])
+
+
+def run(model, prompt, drafter, max_new=40):
+    config = DecodeConfig(max_new_tokens=max_new, eos_token_ids=frozenset())
+    return decode(model, prefill(model, prompt, max_new), config, SamplingParams(), drafter, prompt.tolist())
+
+
+DRAFTERS = {
+    "knapspec": lambda lat: KnapSpecDrafter(lat, CONFIG),
+    "knapspec-coupled": lambda lat: KnapSpecDrafter(lat, replace(CONFIG, coupled=True)),
+    "clasp": lambda lat: ClaspDrafter(lat, CONFIG),
+    "swift": lambda lat: SwiftDrafter(lat, CONFIG),
+    "early-exit": lambda lat: EarlyExitDrafter(lat, CONFIG),
+    "knapspec-lookup": lambda lat: KnapSpecLookupDrafter(lat, CONFIG, PromptLookupDrafter()),
+}
+
+
+def check_equals_ar(model, name: str) -> None:
+    cheap_verify = latency(model.spec.num_layers, verify_growth=0.0)
+    for seed in range(2):
+        prompt = prompt_ids(seed)
+        reference = run(model, prompt, NoDraft()).token_ids
+        result = run(model, prompt, DRAFTERS[name](cheap_verify))
+        assert result.token_ids == reference
+        assert result.stats.drafted_tokens > 0, "cheap verification must make it speculate"
+        assert result.extra["num_optimizations"] >= 1
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
+def test_greedy_output_equals_ar(tiny_deep_llama, name):
+    check_equals_ar(load_tiny(tiny_deep_llama)[1], name)
+
+
+def test_knapspec_greedy_output_equals_ar_in_every_family(tiny_checkpoint):
+    _, model = load_tiny(tiny_checkpoint)
+    prompt = prompt_ids(3)
+    drafter = KnapSpecDrafter(latency(model.spec.num_layers, verify_growth=0.0), CONFIG)
+    assert run(model, prompt, drafter).token_ids == run(model, prompt, NoDraft()).token_ids
+
+
+def test_knapspec_falls_back_to_ar_when_verification_is_dear(tiny_llama):
+    _, model = load_tiny(tiny_llama)
+    dear_verify = latency(model.spec.num_layers, verify_growth=1.0)  # k tokens cost k steps
+    drafter = KnapSpecDrafter(dear_verify, CONFIG)
+    prompt = prompt_ids(0)
+    result = run(model, prompt, drafter)
+    assert result.token_ids == run(model, prompt, NoDraft()).token_ids
+    assert result.stats.drafted_tokens == 0
+    assert result.extra["num_chose_ar"] == result.extra["num_optimizations"] >= 2  # re-checked periodically
+
+
+def test_knapspec_replans_every_n_steps(tiny_deep_llama):
+    _, model = load_tiny(tiny_deep_llama)
+    drafter = KnapSpecDrafter(latency(model.spec.num_layers, 0.0), replace(CONFIG, max_draft=1))
+    result = run(model, prompt_ids(1), drafter, max_new=30)
+    # At most one token is accepted per step, so there are >= 15 steps and >= 3 plans.
+    assert result.extra["num_optimizations"] >= result.stats.steps // CONFIG.reoptimize_every
+    assert all(p.gamma <= 1 for p in drafter.plans)
+
+
+def test_knapspec_plans_use_weights_and_keep_first_and_last_layer(tiny_deep_llama):
+    _, model = load_tiny(tiny_deep_llama)
+    lat = latency(model.spec.num_layers, 0.0)
+    drafter = KnapSpecDrafter(lat, CONFIG)
+    run(model, prompt_ids(0), drafter)
+    num_items = model.spec.num_items
+    assert any(plan.skip for plan in drafter.plans)
+    for plan in drafter.plans:
+        if plan.skip:
+            assert not plan.skip & {0, 1, num_items - 2, num_items - 1}
+            weights = lat.item_weights(40)
+            assert sum(weights[i] for i in plan.skip) <= sum(weights) // 2
+
+
+def test_evaluate_skip_sets_matches_full_forward(tiny_llama):
+    _, model = load_tiny(tiny_llama)
+    tokens = prompt_ids(2)
+    cache = model.new_cache(64)
+    model.prefill(cache, tokens[:40])
+    full = model.forward(cache.copy(), tokens[40:], 40, logits="all").logits.argmax(-1)
+    top1 = evaluate_skip_sets(model, cache, tokens[40:], 40, [frozenset(), frozenset({2, 3})])
+    assert torch.equal(top1[0], full)
+    skipped = model.forward(cache.copy(), tokens[40:], 40, skip={2, 3}, logits="all").logits.argmax(-1)
+    assert torch.equal(top1[1], skipped)
