@@ -57,6 +57,10 @@ class Record:
     mean_accepted_len: float
     tokens_equal_ar: bool
     repeats: int
+    predicted_tpt: float | None  # tokens/s the searching strategies' last plan expected
+    dp_overhead_frac: float | None  # search time over decode time
+    mean_skipped_attn: float | None
+    mean_skipped_mlp: float | None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -150,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
                         mean_accepted_len=statistics.median(r.stats.mean_accepted_len for r in results),
                         tokens_equal_ar=all(r.token_ids == ref_tokens for r in results),
                         repeats=len(results),
+                        predicted_tpt=_median_extra(results, "predicted_tpt"),
+                        dp_overhead_frac=_median_of(
+                            [r.extra["optimize_s"] / r.stats.decode_s for r in results if "optimize_s" in r.extra]
+                        ),
+                        mean_skipped_attn=_median_extra(results, "mean_skipped_attn"),
+                        mean_skipped_mlp=_median_extra(results, "mean_skipped_mlp"),
                     )
                 )
             costs = verify_costs(engines[reference[1]], prompt)
@@ -166,17 +176,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _median_of(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _median_extra(results, key: str) -> float | None:
+    return _median_of([r.extra[key] for r in results if r.extra.get(key) is not None])
+
+
 def format_tables(records: list[Record], verify_rows: list[dict], reference: tuple[str, str]) -> str:
     lines = [
         f"| doc | context | strategy | dtype | decode tok/s | vs {reference[0]}:{reference[1]} | prefill s "
-        "| acceptance | tokens/step | same tokens as ar |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---|",
+        "| acceptance | tokens/step | same tokens as ar | search / decode | skipped attn / MLP |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in records:
         lines.append(
             f"| {r.doc_id} | {r.context_tokens} | {r.strategy} | {r.dtype} | {r.tokens_per_s:.1f} "
             f"| {r.speedup_vs_ar:.2f}× | {r.prefill_s:.2f} | {r.acceptance_rate:.2f} | {r.mean_accepted_len:.2f} "
-            f"| {'yes' if r.tokens_equal_ar else 'NO'} |"
+            f"| {'yes' if r.tokens_equal_ar else 'NO'} "
+            f"| {'' if r.dp_overhead_frac is None else f'{r.dp_overhead_frac:.1%}'} "
+            f"| {'' if r.mean_skipped_attn is None else f'{r.mean_skipped_attn:.1f} / {r.mean_skipped_mlp:.1f}'} |"
         )
     lines += ["", "| doc | context | dtype | 1-token forward ms | " + " | ".join(f"{k} / 1" for k in VERIFY_SIZES[1:]) + " |"]
     lines.append("|---|---:|---|---:|" + "---:|" * (len(VERIFY_SIZES) - 1))

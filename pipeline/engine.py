@@ -105,7 +105,7 @@ class Engine:
             from profiling.calibration import CalibrationKey, CalibrationStore
 
             store = CalibrationStore(self.config.calibration_dir)
-            key = CalibrationKey.for_model(self.model, self.path.name)
+            key = CalibrationKey.for_model(self.model, self.name)
             self._latency = store.load_or_measure(self.model, key).latency
         return self._latency
 

@@ -12,11 +12,11 @@ from pipeline.drafters import Draft, DraftRequest
 from pipeline.knapspec import KnapSpecConfig, KnapSpecDrafter
 from pipeline.latency_model import LatencyModel
 from pipeline.prompt_lookup import PromptLookupDrafter
-from pipeline.tpt import expected_tokens, smoothed_alpha
-
-# Prior on a copied token being right, worth this many observed tokens.
-LOOKUP_PRIOR_MEAN = 0.5
-LOOKUP_PRIOR_STRENGTH = 4.0
+# Copied tokens come in runs (a phrase is right as a whole or not), so the per-token
+# geometric model of TPT misjudges them: the hybrid counts, for each draft position j,
+# how often the first j + 1 copied tokens were all accepted, starting from a prior of
+# 0.5^(j+1) worth this many steps.
+LOOKUP_PRIOR_STEPS = 2.0
 
 
 class KnapSpecLookupDrafter:
@@ -27,12 +27,16 @@ class KnapSpecLookupDrafter:
         self.max_draft = max(config.max_draft, lookup.max_draft)
         self.num_lookup_drafted = self.num_lookup_accepted = 0
         self.num_lookup_steps = 0
+        # [j]: lookup steps that drafted position j, and those that accepted positions 0..j.
+        self._tries = [0] * self.max_draft
+        self._reached = [0] * self.max_draft
         self._used_lookup = False
 
-    @property
-    def lookup_alpha(self) -> float:
-        return smoothed_alpha(
-            0, 0, self.num_lookup_accepted, self.num_lookup_drafted, LOOKUP_PRIOR_MEAN, LOOKUP_PRIOR_STRENGTH
+    def expected_accepted(self, gamma: int) -> float:
+        """E[copied tokens accepted] for a lookup draft of γ tokens: Σ_j P(positions 0..j accepted)."""
+        return sum(
+            (self._reached[j] + 0.5 ** (j + 1) * LOOKUP_PRIOR_STEPS) / (self._tries[j] + LOOKUP_PRIOR_STEPS)
+            for j in range(gamma)
         )
 
     def propose(self, request: DraftRequest) -> Draft:
@@ -40,9 +44,12 @@ class KnapSpecLookupDrafter:
         self._used_lookup = False
         if draft.token_ids:
             context = request.cache.length
-            gamma = min(len(draft.token_ids), self.latency.max_verify - 1)
+            # The best prefix of the copied draft by predicted TPT: a shaky copy is cut short.
+            tpt_lookup, gamma = max(
+                ((1.0 + self.expected_accepted(g)) / self.latency.t_verify(g + 1, context), g)
+                for g in range(1, min(len(draft.token_ids), self.latency.max_verify - 1) + 1)
+            )
             draft = Draft(draft.token_ids[:gamma], None if draft.probs is None else draft.probs[:gamma])
-            tpt_lookup = expected_tokens(self.lookup_alpha, gamma) / self.latency.t_verify(gamma + 1, context)
             plan = self.knapspec.plan
             tpt_layers = plan.predicted_tpt if plan is not None else 1.0 / self.latency.t_verify(1, context)
             if tpt_lookup >= tpt_layers:
@@ -55,6 +62,9 @@ class KnapSpecLookupDrafter:
             self.num_lookup_steps += 1
             self.num_lookup_drafted += num_drafted
             self.num_lookup_accepted += num_accepted
+            for j in range(num_drafted):
+                self._tries[j] += 1
+                self._reached[j] += j < num_accepted
             self.lookup.observe(num_drafted, num_accepted)
         else:
             self.knapspec.observe(num_drafted, num_accepted)

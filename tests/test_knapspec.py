@@ -90,6 +90,27 @@ def test_knapspec_falls_back_to_ar_when_verification_is_dear(tiny_llama):
     assert result.extra["num_chose_ar"] == result.extra["num_optimizations"] >= 2  # re-checked periodically
 
 
+def test_dp_is_skipped_when_no_draft_could_win(tiny_deep_llama, monkeypatch):
+    from pipeline import knapspec
+
+    calls = []
+    real = knapspec.search_candidates
+    monkeypatch.setattr(knapspec, "search_candidates", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _, model = load_tiny(tiny_deep_llama)
+    run(model, prompt_ids(0), KnapSpecDrafter(latency(model.spec.num_layers, verify_growth=1.0), CONFIG))
+    assert calls == []
+    run(model, prompt_ids(0), KnapSpecDrafter(latency(model.spec.num_layers, verify_growth=0.0), CONFIG))
+    assert calls
+
+
+def test_ar_verdicts_back_off_the_search(tiny_deep_llama):
+    _, model = load_tiny(tiny_deep_llama)
+    drafter = KnapSpecDrafter(latency(model.spec.num_layers, verify_growth=1.0), replace(CONFIG, reoptimize_every=2))
+    run(model, prompt_ids(0), drafter, max_new=40)
+    # Intervals 2, 2, 4, 8, 16, 16...: 39 steps hold at most 6 searches, not 20.
+    assert 3 <= len(drafter.plans) <= 6 and all(p.use_ar for p in drafter.plans)
+
+
 def test_knapspec_replans_every_n_steps(tiny_deep_llama):
     _, model = load_tiny(tiny_deep_llama)
     drafter = KnapSpecDrafter(latency(model.spec.num_layers, 0.0), replace(CONFIG, max_draft=1))
