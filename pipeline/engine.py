@@ -27,7 +27,7 @@ from pipeline.drafters import DEFAULT_MAX_DRAFT, Drafter, LayerSkipDrafter, NoDr
 from pipeline.errors import ConfigError
 from pipeline.hf_reference import prepare_hf_model, run_hf_generate
 from pipeline.hybrid import KnapSpecLookupDrafter
-from pipeline.knapspec import KnapSpecConfig, KnapSpecDrafter
+from pipeline.knapspec import KnapSpecConfig, KnapSpecDrafter, SearchHistory
 from pipeline.latency_model import LatencyModel
 from pipeline.linear import ComputeMode, resolve_compute_mode
 from pipeline.prompt_lookup import DEFAULT_LOOKUP_MAX_DRAFT, DEFAULT_MAX_NGRAM, PromptLookupDrafter
@@ -85,6 +85,8 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(self.path, self.hf_config, self.tokenizer)
         self._hf_model = None
         self._latency = config.latency
+        # Per strategy: what earlier requests' searches concluded on this model and device.
+        self._search_history = {name: SearchHistory() for name in SEARCHING_STRATEGIES}
         logger.info("Loaded %s (%d layers) in %s mode", self.path.name, self.model.spec.num_layers, self.mode.value)
 
     @property
@@ -117,10 +119,11 @@ class Engine:
             return PromptLookupDrafter(max_draft=strategy.max_draft)
         if strategy.name in SEARCHING_STRATEGIES:
             config = KnapSpecConfig(max_draft=strategy.max_draft, coupled=strategy.name == "knapspec-coupled")
+            history = self._search_history[strategy.name]
             if strategy.name in ("knapspec", "knapspec-coupled"):
-                return KnapSpecDrafter(self.latency, config)
+                return KnapSpecDrafter(self.latency, config, history)
             if strategy.name == "knapspec-lookup":
-                return KnapSpecLookupDrafter(self.latency, config, PromptLookupDrafter())
+                return KnapSpecLookupDrafter(self.latency, config, PromptLookupDrafter(), history)
             return {"clasp": ClaspDrafter, "swift": SwiftDrafter, "early-exit": EarlyExitDrafter}[strategy.name](
                 self.latency, config
             )

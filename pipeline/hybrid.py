@@ -9,7 +9,7 @@ whichever wins — falling back, through KnapSpec, to plain decoding.
 from __future__ import annotations
 
 from pipeline.drafters import Draft, DraftRequest
-from pipeline.knapspec import KnapSpecConfig, KnapSpecDrafter
+from pipeline.knapspec import KnapSpecConfig, KnapSpecDrafter, SearchHistory
 from pipeline.latency_model import LatencyModel
 from pipeline.prompt_lookup import PromptLookupDrafter
 # Copied tokens come in runs (a phrase is right as a whole or not), so the per-token
@@ -20,9 +20,15 @@ LOOKUP_PRIOR_STEPS = 2.0
 
 
 class KnapSpecLookupDrafter:
-    def __init__(self, latency: LatencyModel, config: KnapSpecConfig, lookup: PromptLookupDrafter) -> None:
+    def __init__(
+        self,
+        latency: LatencyModel,
+        config: KnapSpecConfig,
+        lookup: PromptLookupDrafter,
+        history: SearchHistory | None = None,
+    ) -> None:
         self.latency = latency
-        self.knapspec = KnapSpecDrafter(latency, config)
+        self.knapspec = KnapSpecDrafter(latency, config, history)
         self.lookup = lookup
         self.max_draft = max(config.max_draft, lookup.max_draft)
         self.num_lookup_drafted = self.num_lookup_accepted = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,33 @@ class KnapSpecConfig:
             raise ConfigError("reoptimize_every and max_draft must be >= 1")
 
 
+class SearchHistory:
+    """Verdicts of the searches of one engine's requests, oldest first.
+
+    Shared by the drafters of successive requests on the same model and device: where
+    searches keep choosing plain decoding, a new request starts with that verdict and
+    searches again only after the backed-off interval, instead of paying a search
+    before its first token.
+    """
+
+    def __init__(self, max_len: int = 64) -> None:
+        self.verdicts: deque[tuple[tuple[int, ...], bool]] = deque(maxlen=max_len)  # (item weights, chose AR)
+
+    def record(self, weights: tuple[int, ...], chose_ar: bool) -> None:
+        self.verdicts.append((weights, chose_ar))
+
+    def consecutive_ar(self, weights: tuple[int, ...]) -> int:
+        """AR verdicts since the last speculative one, among searches with these weights."""
+        count = 0
+        for seen, chose_ar in reversed(self.verdicts):
+            if seen != weights:
+                continue
+            if not chose_ar:
+                break
+            count += 1
+        return count
+
+
 class ReplanningDrafter:
     """Drafts with a layer-skip plan that it recomputes every `reoptimize_every` steps
     (and whenever the context has grown enough to change the integer item weights).
@@ -64,9 +92,10 @@ class ReplanningDrafter:
     observed under the current plan, and drafts with the plan's skip set and γ.
     """
 
-    def __init__(self, latency: LatencyModel, config: KnapSpecConfig) -> None:
+    def __init__(self, latency: LatencyModel, config: KnapSpecConfig, history: SearchHistory | None = None) -> None:
         self.latency = latency
         self.config = config
+        self.history = history if history is not None else SearchHistory()
         self.max_draft = config.max_draft
         self.plan: DraftPlan | None = None
         self._weights: tuple[int, ...] | None = None
@@ -79,7 +108,11 @@ class ReplanningDrafter:
 
     def propose(self, request: DraftRequest) -> Draft:
         context = request.cache.length
-        if self._due(context) and context > self.config.num_reference_tokens:
+        if self.plan is None and self.history.consecutive_ar(self._weights_at(context)):
+            # Earlier requests' searches found nothing at this context: start plainly.
+            plan = choose_plan([], lambda k: self.latency.t_verify(k, context), self.config.max_draft)
+            self._set_plan(plan, request.model, context, searched=False)
+        elif self._due(context) and context > self.config.num_reference_tokens:
             t0 = time.perf_counter()
             self._set_plan(self.make_plan(request), request.model, context)
             self.optimize_s += time.perf_counter() - t0
@@ -98,7 +131,7 @@ class ReplanningDrafter:
             "optimize_s": self.optimize_s,
             "num_optimizations": len(self.plans),
             "num_chose_ar": len(self.plans) - len(plans),
-            "predicted_tpt": self.plans[-1].predicted_tpt if self.plans else None,
+            "predicted_tpt": self.plan.predicted_tpt if self.plan else None,
             "mean_skipped_attn": _mean([sum(1 for i in p.skip if i % 2 == 0) for p in plans]),
             "mean_skipped_mlp": _mean([sum(1 for i in p.skip if i % 2 == 1) for p in plans]),
         }
@@ -109,12 +142,11 @@ class ReplanningDrafter:
     def _interval(self) -> int:
         """Steps until the next search. After consecutive AR verdicts the re-check backs off
         (doubling, up to 8x): a search that keeps finding nothing should not keep costing."""
-        num_ar = 0
-        for plan in reversed(self.plans):
-            if not plan.use_ar:
-                break
-            num_ar += 1
+        num_ar = self.history.consecutive_ar(self._weights) if self._weights is not None else 0
         return self.config.reoptimize_every * 2 ** min(max(num_ar - 1, 0), 3)
+
+    def _weights_at(self, context: int) -> tuple[int, ...]:
+        return tuple(self.latency.item_weights(context, self.config.weight_cap))
 
     def observed(self, skip: frozenset[int]) -> tuple[int, int]:
         """(accepted, drafted) seen so far under the current plan, if it drafts with `skip`."""
@@ -132,12 +164,14 @@ class ReplanningDrafter:
         if self.plan is None or self._steps_since_plan >= self._interval():
             return True
         # A longer context makes attention dearer; new integer weights mean a new knapsack.
-        return tuple(self.latency.item_weights(context, self.config.weight_cap)) != self._weights
+        return self._weights_at(context) != self._weights
 
-    def _set_plan(self, plan: DraftPlan, model: SublayerModel, context: int) -> None:
+    def _set_plan(self, plan: DraftPlan, model: SublayerModel, context: int, searched: bool = True) -> None:
         self.plan = plan
-        self.plans.append(plan)
-        self._weights = tuple(self.latency.item_weights(context, self.config.weight_cap))
+        self._weights = self._weights_at(context)
+        if searched:
+            self.plans.append(plan)
+            self.history.record(self._weights, plan.use_ar)
         self._steps_since_plan = 0
         self._accepted = self._drafted = 0
         self._drafter = (

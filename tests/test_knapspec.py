@@ -144,3 +144,37 @@ def test_evaluate_skip_sets_matches_full_forward(tiny_llama):
     assert torch.equal(top1[0], full)
     skipped = model.forward(cache.copy(), tokens[40:], 40, skip={2, 3}, logits="all").logits.argmax(-1)
     assert torch.equal(top1[1], skipped)
+
+
+def test_hybrid_counts_copied_runs_per_position():
+    lat = latency(8, verify_growth=0.0)
+    hybrid = KnapSpecLookupDrafter(lat, CONFIG, PromptLookupDrafter())
+    prior = [hybrid.expected_accepted(g) for g in (1, 2, 3)]
+    assert prior == pytest.approx([0.5, 0.75, 0.875])
+    hybrid._used_lookup = True
+    for _ in range(20):  # copies are right as a whole: all three accepted
+        hybrid.observe(3, 3)
+    assert hybrid.expected_accepted(3) > 2.5
+    for _ in range(40):  # then wrong from the first token
+        hybrid.observe(3, 0)
+    assert hybrid.expected_accepted(1) < 0.4
+    assert hybrid.summary()["num_lookup_steps"] == 60
+
+
+def test_later_requests_inherit_ar_verdicts(tiny_deep_llama, monkeypatch):
+    from pipeline import knapspec
+    from pipeline.knapspec import SearchHistory
+
+    _, model = load_tiny(tiny_deep_llama)
+    lat = replace(latency(model.spec.num_layers, verify_growth=0.3), t_fixed=0.05)  # dear fixed cost: AR wins
+    calls = []
+    real = knapspec.search_candidates
+    monkeypatch.setattr(knapspec, "search_candidates", lambda *a, **k: calls.append(1) or real(*a, **k))
+    history = SearchHistory()
+    prompt = prompt_ids(0)
+    first = run(model, prompt, KnapSpecDrafter(lat, CONFIG, history), max_new=5)
+    assert first.extra["num_optimizations"] == first.extra["num_chose_ar"] == 1
+    calls.clear()
+    second = run(model, prompt, KnapSpecDrafter(lat, CONFIG, history), max_new=5)
+    assert calls == [] and second.extra["num_optimizations"] == 0
+    assert second.token_ids == first.token_ids
