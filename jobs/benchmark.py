@@ -30,7 +30,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pipeline.decoding import prefill
+from pipeline.decoding import DecodeConfig, decode, prefill
+from pipeline.drafters import LayerSkipDrafter
+from pipeline.knapspec import KnapSpecConfig, KnapSpecDrafter, search_candidates
+from pipeline.sampling import SamplingParams
+from pipeline.tpt import choose_plan
 from pipeline.engine import STRATEGIES, Engine, EngineConfig, StrategyConfig
 from pipeline.errors import KnapSpecError
 from pipeline.prompts import build_prompt
@@ -50,7 +54,7 @@ class Record:
     doc_id: str
     context_tokens: int
     new_tokens: int
-    tokens_per_s: float
+    tokens_per_s: float  # the measured TPT
     prefill_s: float
     speedup_vs_ar: float | None
     acceptance_rate: float
@@ -59,8 +63,12 @@ class Record:
     repeats: int
     predicted_tpt: float | None  # tokens/s the searching strategies' last plan expected
     dp_overhead_frac: float | None  # search time over decode time
-    mean_skipped_attn: float | None
-    mean_skipped_mlp: float | None
+    skipped_attn: float | None  # attention items a speculating plan skipped, mean over plans
+    skipped_mlp: float | None
+
+    @property
+    def measured_tpt(self) -> float:
+        return self.tokens_per_s
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -74,6 +82,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reference", default="ar:fp16w", help="the NAME:DTYPE speedups are relative to")
     parser.add_argument("--output", type=Path, default=Path("out"))
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
+    parser.add_argument(
+        "--no-fallback",
+        action="store_true",
+        help="also run the DP's best candidates as forced draft models, to test the latency model's predictions",
+    )
+    parser.add_argument("--forced", type=int, default=4, help="how many DP candidates --no-fallback runs")
     return parser.parse_args(argv)
 
 
@@ -123,13 +137,17 @@ def main(argv: list[str] | None = None) -> int:
 
     records: list[Record] = []
     verify_rows = []
+    forced: list[dict] = []
     for doc_id, text in documents.items():
         for length in lengths:
             prompt = build_prompt(tokenizer, text, max_prompt_tokens=length).token_ids
+            # One prefill per compute mode; every strategy and repeat decodes from its own copy.
+            prefilled = {dtype: engine.prefill(prompt, args.max_new_tokens) for dtype, engine in engines.items()}
             runs: dict[tuple[str, str], list] = {pair: [] for pair in pairs}
             for repeat in range(args.repeats):
                 for name, dtype in pairs:
-                    result = engines[dtype].generate(prompt, StrategyConfig(name), args.max_new_tokens)
+                    own = None if name.startswith("hf") else prefilled[dtype].copy()
+                    result = engines[dtype].generate(prompt, StrategyConfig(name), args.max_new_tokens, prefilled=own)
                     runs[(name, dtype)].append(result)
                     logger.info(
                         "%s %d tokens, %s:%s repeat %d: %.1f tok/s, prefill %.2f s",
@@ -158,9 +176,13 @@ def main(argv: list[str] | None = None) -> int:
                         dp_overhead_frac=_median_of(
                             [r.extra["optimize_s"] / r.stats.decode_s for r in results if "optimize_s" in r.extra]
                         ),
-                        mean_skipped_attn=_median_extra(results, "mean_skipped_attn"),
-                        mean_skipped_mlp=_median_extra(results, "mean_skipped_mlp"),
+                        skipped_attn=_median_extra(results, "mean_skipped_attn"),
+                        skipped_mlp=_median_extra(results, "mean_skipped_mlp"),
                     )
+                )
+            if args.no_fallback:
+                forced += forced_candidates(
+                    engines[reference[1]], prompt, prefilled[reference[1]], doc_id, args.max_new_tokens, args.forced
                 )
             costs = verify_costs(engines[reference[1]], prompt)
             verify_rows.append(
@@ -169,11 +191,112 @@ def main(argv: list[str] | None = None) -> int:
             )
 
     args.output.mkdir(parents=True, exist_ok=True)
-    out = {"records": [asdict(r) for r in records], "verify_cost": verify_rows, "settings": vars(args) | {
-        "input": str(args.input), "output": str(args.output), "threads": torch.get_num_threads()}}
+    settings = vars(args) | {"input": str(args.input), "output": str(args.output), "threads": torch.get_num_threads()}
+    correlation = pearson([f["predicted_tpt"] for f in forced], [f["measured_tpt"] for f in forced])
+    out = {
+        "records": [asdict(r) | {"measured_tpt": r.measured_tpt} for r in records],
+        "verify_cost": verify_rows,
+        "forced_candidates": forced,
+        "forced_pearson_r": correlation,
+        "settings": settings,
+    }
     (args.output / "benchmark.json").write_text(json.dumps(out, indent=2))
+    plot(records, forced, reference, args.output / "benchmark.png")
     print(format_tables(records, verify_rows, reference))
+    if correlation is not None:
+        print(f"\nForced DP candidates: Pearson r(predicted, measured TPT) = {correlation:.2f} over {len(forced)}")
     return 0
+
+
+def forced_candidates(
+    engine: Engine, prompt: torch.Tensor, prefilled, doc_id: str, max_new_tokens: int, num_forced: int
+) -> list[dict]:
+    """Decode with the DP's best candidates as fixed draft models, no AR fallback: what
+    the latency model predicted for each, against what it measured."""
+    model, config = engine.model, KnapSpecConfig()
+    context = prefilled.cache.length
+    drafter = KnapSpecDrafter(engine.latency, config)
+    r = config.num_reference_tokens
+    weights = tuple(engine.latency.item_weights(context, config.weight_cap))
+    candidates = search_candidates(model, prefilled.cache, prompt[-r:], context - r, weights, config)
+    plans = []
+    for skip, top1 in candidates[1:]:  # the first is the full model
+        scored = drafter.score(skip, top1, candidates[0][1], context)
+        plans.append(choose_plan([scored], lambda k: engine.latency.t_verify(k, context), config.max_draft, -1.0))
+    plans.sort(key=lambda p: p.predicted_tpt, reverse=True)
+    rows = []
+    decode_config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=engine.eos_token_ids)
+    for plan in plans[:num_forced]:
+        fixed = LayerSkipDrafter(plan.skip, model.spec.num_items, plan.gamma)
+        result = decode(model, prefilled.copy(), decode_config, SamplingParams(), fixed, prompt.tolist())
+        rows.append(
+            {
+                "doc_id": doc_id,
+                "context_tokens": context,
+                "skip": sorted(plan.skip),
+                "gamma": plan.gamma,
+                "alpha": plan.alpha,
+                "predicted_tpt": plan.predicted_tpt,
+                "measured_tpt": result.stats.tokens_per_s,
+                "acceptance_rate": result.stats.acceptance_rate,
+            }
+        )
+        logger.info("forced %s γ=%d: predicted %.1f, measured %.1f tok/s", sorted(plan.skip), plan.gamma,
+                    plan.predicted_tpt, result.stats.tokens_per_s)
+    return rows
+
+
+def pearson(xs: list[float], ys: list[float]) -> float | None:
+    if len(xs) < 3:
+        return None
+    x, y = torch.tensor(xs, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64)
+    x, y = x - x.mean(), y - y.mean()
+    denominator = (x.norm() * y.norm()).item()
+    return (x @ y).item() / denominator if denominator else None
+
+
+def plot(records: list[Record], forced: list[dict], reference: tuple[str, str], path: Path) -> None:
+    """Speed-up vs context per strategy; attention vs MLP items skipped vs context; predicted vs measured TPT."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    by_strategy: dict[str, dict[int, list[float]]] = {}
+    skipped: dict[str, dict[int, list[tuple[float, float]]]] = {}
+    for r in records:
+        label = f"{r.strategy}:{r.dtype}"
+        by_strategy.setdefault(label, {}).setdefault(r.context_tokens, []).append(r.speedup_vs_ar or 0.0)
+        if r.skipped_attn is not None:
+            skipped.setdefault(r.strategy, {}).setdefault(r.context_tokens, []).append((r.skipped_attn, r.skipped_mlp))
+    for label, points in sorted(by_strategy.items()):
+        xs = sorted(points)
+        axes[0].plot(xs, [statistics.median(points[x]) for x in xs], marker="o", label=label)
+    axes[0].axhline(1.0, color="gray", linewidth=0.8)
+    axes[0].set(xlabel="context tokens", ylabel=f"decode speed / {reference[0]}:{reference[1]}", title="Speed-up")
+    axes[0].legend(fontsize=7)
+    for strategy, points in sorted(skipped.items()):
+        xs = sorted(points)
+        axes[1].plot(xs, [statistics.mean(a for a, _ in points[x]) for x in xs], marker="o", label=f"{strategy} attn")
+        axes[1].plot(xs, [statistics.mean(m for _, m in points[x]) for x in xs], marker="x", linestyle="--",
+                     label=f"{strategy} MLP")
+    axes[1].set(xlabel="context tokens", ylabel="items skipped (speculating plans)", title="What the draft skips")
+    axes[1].legend(fontsize=7)
+    if forced:
+        axes[2].scatter([f["predicted_tpt"] for f in forced], [f["measured_tpt"] for f in forced], label="forced")
+    searched = [r for r in records if r.predicted_tpt is not None]
+    axes[2].scatter([r.predicted_tpt for r in searched], [r.measured_tpt for r in searched], marker="x",
+                    label="searching strategies")
+    limits = [v for f in forced for v in (f["predicted_tpt"], f["measured_tpt"])]
+    limits += [v for r in searched for v in (r.predicted_tpt, r.measured_tpt)]
+    if limits:
+        axes[2].plot([min(limits), max(limits)], [min(limits), max(limits)], color="gray", linewidth=0.8)
+    axes[2].set(xlabel="predicted tokens/s", ylabel="measured tokens/s", title="Latency model")
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _median_of(values: list[float]) -> float | None:
@@ -196,7 +319,7 @@ def format_tables(records: list[Record], verify_rows: list[dict], reference: tup
             f"| {r.speedup_vs_ar:.2f}× | {r.prefill_s:.2f} | {r.acceptance_rate:.2f} | {r.mean_accepted_len:.2f} "
             f"| {'yes' if r.tokens_equal_ar else 'NO'} "
             f"| {'' if r.dp_overhead_frac is None else f'{r.dp_overhead_frac:.1%}'} "
-            f"| {'' if r.mean_skipped_attn is None else f'{r.mean_skipped_attn:.1f} / {r.mean_skipped_mlp:.1f}'} |"
+            f"| {'' if r.skipped_attn is None else f'{r.skipped_attn:.1f} / {r.skipped_mlp:.1f}'} |"
         )
     lines += ["", "| doc | context | dtype | 1-token forward ms | " + " | ".join(f"{k} / 1" for k in VERIFY_SIZES[1:]) + " |"]
     lines.append("|---|---:|---|---:|" + "---:|" * (len(VERIFY_SIZES) - 1))

@@ -150,7 +150,7 @@ def test_hybrid_counts_copied_runs_per_position():
     lat = latency(8, verify_growth=0.0)
     hybrid = KnapSpecLookupDrafter(lat, CONFIG, PromptLookupDrafter())
     prior = [hybrid.expected_accepted(g) for g in (1, 2, 3)]
-    assert prior == pytest.approx([0.5, 0.75, 0.875])
+    assert prior == pytest.approx([0.8, 0.8 + 0.64, 0.8 + 0.64 + 0.512])
     hybrid._used_lookup = True
     for _ in range(20):  # copies are right as a whole: all three accepted
         hybrid.observe(3, 3)
