@@ -51,3 +51,25 @@ def test_prompt_uses_chat_template_and_fits(embedded_engine_fp32):
     assert prompt.document_tokens > 5000
     short = build_prompt(tokenizer, "A short note.", max_prompt_tokens=1000)
     assert not short.truncated
+
+
+def test_searching_strategies_equal_ar_on_a_document():
+    """KnapSpec, its ablation, the baselines and the hybrid on the real model, with a
+    latency model where verification is free. The baselines always speculate and the
+    hybrid copies from the document, so their drafts really are checked; KnapSpec may
+    still decide that no layer subset pays."""
+    from pipeline.engine import SEARCHING_STRATEGIES
+    from pipeline.latency_model import LatencyModel
+
+    free_verify = LatencyModel(
+        attn_slope=2e-7, attn_base=4e-4, t_mlp=5e-4, t_fixed=1e-3, verify_ratios=(1.0,) * 11, num_layers=30
+    )
+    engine = Engine(EngineConfig(dtype="fp32", latency=free_verify))
+    prompt = build_prompt(engine.tokenizer, document("crs-r48179"), max_prompt_tokens=1200).token_ids
+    prefilled = engine.prefill(prompt, 40)
+    ar = engine.generate(prompt, StrategyConfig("ar"), 40, prefilled=prefilled.copy())
+    for name in SEARCHING_STRATEGIES:
+        result = engine.generate(prompt, StrategyConfig(name), 40, prefilled=prefilled.copy())
+        assert result.token_ids == ar.token_ids, name
+        if name not in ("knapspec", "knapspec-coupled"):
+            assert result.stats.drafted_tokens > 0, name
