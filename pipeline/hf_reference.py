@@ -50,30 +50,6 @@ class _FirstTokenClock:
         pass
 
 
-def hf_generate(
-    model,
-    prompt_ids: torch.Tensor,
-    max_new_tokens: int,
-    eos_token_ids: Collection[int],
-    params: SamplingParams,
-    pad_token_id: int | None,
-    prompt_lookup_num_tokens: int | None = None,
-    max_matching_ngram_size: int | None = None,
-) -> tuple[list[int], float, float]:
-    """Run `generate()`; returns (new token ids, prefill seconds, decode seconds)."""
-    run = run_hf_generate(
-        model,
-        prompt_ids,
-        max_new_tokens,
-        eos_token_ids,
-        params,
-        pad_token_id,
-        prompt_lookup_num_tokens,
-        max_matching_ngram_size,
-    )
-    return run.token_ids, run.prefill_s, run.decode_s
-
-
 def run_hf_generate(
     model,
     prompt_ids: torch.Tensor,

@@ -112,3 +112,25 @@ def embedded_engine_fp32():
     from pipeline.engine import Engine, EngineConfig
 
     return Engine(EngineConfig(dtype="fp32"))
+
+
+def chi_square_p_value(counts: dict, exact: dict, num_samples: int) -> float:
+    """Goodness of fit of sampled sequences to their exact probabilities, rare cells merged
+    so that every expected count is at least 5."""
+    from scipy.stats import chisquare
+
+    observed, expected, rest_o, rest_e = [], [], 0, 0.0
+    for cell in sorted(exact, key=exact.get, reverse=True):
+        e = exact[cell] * num_samples
+        if e >= 5:
+            observed.append(counts.get(cell, 0))
+            expected.append(e)
+        else:
+            rest_o += counts.get(cell, 0)
+            rest_e += e
+    if rest_e > 0:
+        # Fold the remainder into the smallest kept cell, so it too has an expected count >= 5.
+        observed[-1] += rest_o
+        expected[-1] += rest_e
+    scale = sum(observed) / sum(expected)
+    return chisquare(observed, [e * scale for e in expected]).pvalue

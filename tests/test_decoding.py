@@ -6,13 +6,12 @@ import itertools
 
 import pytest
 import torch
-from conftest import load_tiny
-from scipy.stats import chisquare
+from conftest import chi_square_p_value, load_tiny
 
 from pipeline.decoding import DecodeConfig, decode, prefill
 from pipeline.drafters import LayerSkipDrafter, NoDraft, default_static_skip
 from pipeline.errors import ConfigError
-from pipeline.hf_reference import hf_generate
+from pipeline.hf_reference import run_hf_generate
 from pipeline.sampling import SamplingParams, accept_greedy, probabilities
 
 EOS = frozenset({2})
@@ -31,7 +30,7 @@ def run(model, prompt, drafter, max_new=30, params=SamplingParams(), eos=EOS):
 def test_greedy_ar_and_static_equal_hf_generate(tiny_checkpoint, seed):
     hf, model = load_tiny(tiny_checkpoint)
     prompt = prompt_ids(40, seed)
-    reference, _, _ = hf_generate(hf, prompt, 30, EOS, SamplingParams(), pad_token_id=0)
+    reference = run_hf_generate(hf, prompt, 30, EOS, SamplingParams(), pad_token_id=0).token_ids
     ar = run(model, prompt, NoDraft())
     assert ar.token_ids == reference
     # Threshold 0 drafts every step, so rejections and partial acceptance are exercised.
@@ -145,23 +144,7 @@ def test_speculative_sampling_matches_the_model_distribution(tiny_llama, params)
     assert set(counts) <= set(exact), "sampled a sequence the model gives zero probability"
     assert 0.05 < accepted / drafted < 0.95, "the test must exercise both acceptance and rejection"
 
-    # Merge rare cells so every expected count is at least 5.
-    cells = sorted(exact, key=exact.get, reverse=True)
-    observed, expected, rest_o, rest_e = [], [], 0, 0.0
-    for cell in cells:
-        e = exact[cell] * num_samples
-        if e >= 5:
-            observed.append(counts.get(cell, 0))
-            expected.append(e)
-        else:
-            rest_o += counts.get(cell, 0)
-            rest_e += e
-    if rest_e > 0:
-        # Fold the remainder into the smallest kept cell, so it too has an expected count >= 5.
-        observed[-1] += rest_o
-        expected[-1] += rest_e
-    scale = sum(observed) / sum(expected)
-    p_value = chisquare(observed, [e * scale for e in expected]).pvalue
+    p_value = chi_square_p_value(counts, exact, num_samples)
     assert p_value > 1e-3, f"speculative samples do not follow the model (p = {p_value:.2e})"
 
 

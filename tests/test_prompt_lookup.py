@@ -7,8 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import load_tiny, sample_documents
-from scipy.stats import chisquare
+from conftest import chi_square_p_value, load_tiny, sample_documents
 
 from pipeline.decoding import DecodeConfig, decode, prefill
 from pipeline.drafters import DEFAULT_MAX_DRAFT, DraftRequest, NoDraft
@@ -259,22 +258,7 @@ def test_lookup_sampling_matches_the_model_distribution(tiny_llama, params):
     assert num_drafted > num_samples // 2, "too few drafts to test their rejection"
     assert 0.05 < num_accepted / num_drafted < 0.95, "the test must exercise both acceptance and rejection"
 
-    # Merge rare cells so every expected count is at least 5.
-    cells = sorted(exact, key=exact.get, reverse=True)
-    observed, expected, rest_o, rest_e = [], [], 0, 0.0
-    for cell in cells:
-        e = exact[cell] * num_samples
-        if e >= 5:
-            observed.append(counts.get(cell, 0))
-            expected.append(e)
-        else:
-            rest_o += counts.get(cell, 0)
-            rest_e += e
-    if rest_e > 0:
-        observed[-1] += rest_o
-        expected[-1] += rest_e
-    scale = sum(observed) / sum(expected)
-    p_value = chisquare(observed, [e * scale for e in expected]).pvalue
+    p_value = chi_square_p_value(counts, exact, num_samples)
     assert p_value > 1e-3, f"lookup samples do not follow the model (p = {p_value:.2e})"
 
 
