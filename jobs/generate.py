@@ -292,6 +292,7 @@ def run(args: argparse.Namespace) -> dict:
         "truncated": prompt.truncated,
         "finish_reason": result.finish_reason,
         "stats": result.stats.to_dict(),
+        "search": result.extra,  # what a searching strategy decided (empty for the others)
     }
 
 
@@ -302,7 +303,7 @@ def _stats_line(record: dict) -> str:
         f"prompt {record['prompt_tokens']} tokens{' (truncated)' if record['truncated'] else ''}, "
         f"prefill {stats['prefill_s']:.2f} s, decode {stats['tokens_per_s']:.1f} tok/s"
     )
-    if record["strategy"] == "static":
+    if stats["drafted_tokens"]:
         line += f", acceptance {stats['acceptance_rate']:.2f}, {stats['mean_accepted_len']:.2f} tokens/step"
     return line
 
