@@ -134,3 +134,22 @@ def chi_square_p_value(counts: dict, exact: dict, num_samples: int) -> float:
         expected[-1] += rest_e
     scale = sum(observed) / sum(expected)
     return chisquare(observed, [e * scale for e in expected]).pvalue
+
+
+def exact_joint_law(model, prompt: torch.Tensor, params) -> dict[tuple[int, int, int], float]:
+    """P(t1, t2, t3) of plain sampling after `prompt`, over every sequence of nonzero probability."""
+    from pipeline.sampling import probabilities
+
+    def dist(prefix: list[int]) -> torch.Tensor:
+        cache = model.new_cache(prompt.numel() + 3)
+        return probabilities(model.prefill(cache, torch.tensor(prompt.tolist() + prefix)), params)
+
+    exact = {}
+    p1 = dist([])
+    for t1 in p1.nonzero().flatten().tolist():
+        p2 = dist([t1])
+        for t2 in p2.nonzero().flatten().tolist():
+            p3 = dist([t1, t2])
+            for t3 in p3.nonzero().flatten().tolist():
+                exact[(t1, t2, t3)] = (p1[t1] * p2[t2] * p3[t3]).item()
+    return exact

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import chi_square_p_value, load_tiny
+from conftest import chi_square_p_value, exact_joint_law, load_tiny
 
 from pipeline.decoding import DecodeConfig, decode, prefill
 from pipeline.drafters import LayerSkipDrafter, NoDraft, default_static_skip
@@ -115,18 +115,7 @@ def test_speculative_sampling_matches_the_model_distribution(tiny_llama, params)
     prompt = prompt_ids(12, seed=5)
     base = SamplingParams(**params)
 
-    def dist(prefix: list[int]) -> torch.Tensor:
-        cache = model.new_cache(32)
-        return probabilities(model.prefill(cache, torch.tensor(prompt.tolist() + prefix)), base)
-
-    exact: dict[tuple[int, ...], float] = {}
-    p1 = dist([])
-    for t1 in p1.nonzero().flatten().tolist():
-        p2 = dist([t1])
-        for t2 in p2.nonzero().flatten().tolist():
-            p3 = dist([t1, t2])
-            for t3 in p3.nonzero().flatten().tolist():
-                exact[(t1, t2, t3)] = (p1[t1] * p2[t2] * p3[t3]).item()
+    exact = exact_joint_law(model, prompt, base)
 
     drafter = LayerSkipDrafter([1, 2, 5], model.spec.num_items, max_draft=2, confidence_threshold=0.0)
     config = DecodeConfig(max_new_tokens=3)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import chi_square_p_value, load_tiny, sample_documents
+from conftest import chi_square_p_value, exact_joint_law, load_tiny, sample_documents
 
 from pipeline.decoding import DecodeConfig, decode, prefill
 from pipeline.drafters import DEFAULT_MAX_DRAFT, DraftRequest, NoDraft
@@ -16,7 +16,7 @@ from pipeline.errors import ConfigError
 from pipeline.hf_reference import run_hf_generate
 from pipeline.prompt_lookup import DEFAULT_LOOKUP_MAX_DRAFT, PromptLookupDrafter
 from pipeline.prompts import build_prompt
-from pipeline.sampling import SamplingParams, probabilities
+from pipeline.sampling import SamplingParams
 
 EOS = frozenset({2})
 GREEDY = SamplingParams()
@@ -228,18 +228,7 @@ def test_lookup_sampling_matches_the_model_distribution(tiny_llama, params):
     greedy = run(model, seed_prompt, NoDraft(), max_new=24, eos=frozenset()).token_ids
     prompt = torch.tensor(seed_prompt.tolist() + greedy)
 
-    def dist(prefix: list[int]) -> torch.Tensor:
-        cache = model.new_cache(prompt.numel() + 4)
-        return probabilities(model.prefill(cache, torch.tensor(prompt.tolist() + prefix)), base)
-
-    exact: dict[tuple[int, ...], float] = {}
-    p1 = dist([])
-    for t1 in p1.nonzero().flatten().tolist():
-        p2 = dist([t1])
-        for t2 in p2.nonzero().flatten().tolist():
-            p3 = dist([t1, t2])
-            for t3 in p3.nonzero().flatten().tolist():
-                exact[(t1, t2, t3)] = (p1[t1] * p2[t2] * p3[t3]).item()
+    exact = exact_joint_law(model, prompt, base)
 
     # Single-token matches make a draft at almost every step, which this test needs.
     drafter = PromptLookupDrafter(max_ngram=2, min_ngram=1, max_draft=2)
