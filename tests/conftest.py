@@ -153,3 +153,37 @@ def exact_joint_law(model, prompt: torch.Tensor, params) -> dict[tuple[int, int,
             for t3 in p3.nonzero().flatten().tolist():
                 exact[(t1, t2, t3)] = (p1[t1] * p2[t2] * p3[t3]).item()
     return exact
+
+
+# The tokenizer files of a chat model, copied next to a tiny model's weights.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def make_tiny_chat_checkpoint(path: Path, **overrides) -> Path:
+    """A tiny random Llama that uses the embedded model's real tokenizer and chat template:
+    whole jobs (tokenize, chunk, prompt, generate, decode) run on it in seconds."""
+    import shutil
+
+    from pipeline import checkpoint
+
+    from safetensors.torch import load_file, save_file
+
+    embedded = checkpoint.resolve_checkpoint(None)
+    tokenizer = checkpoint.load_tokenizer(embedded)
+    settings = dict(vocab_size=len(tokenizer), max_position_embeddings=4096, num_hidden_layers=2)
+    make_tiny_checkpoint(path, "llama", **(settings | overrides))
+    for name in _TOKENIZER_FILES:
+        if (embedded / name).is_file():
+            shutil.copy(embedded / name, path / name)
+    # A random model soon repeats one token, often a newline or an end token, and its
+    # "summaries" would be empty. Zeroed head rows keep those tokens below the visible ones.
+    weights = load_file(path / "model.safetensors")
+    invisible = [i for i in range(len(tokenizer)) if not tokenizer.decode([i], skip_special_tokens=True).strip()]
+    weights["lm_head.weight"][invisible] = 0.0
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_checkpoint(tmp_path_factory) -> Path:
+    return make_tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny-chat"))

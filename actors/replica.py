@@ -1,0 +1,143 @@
+"""Model replicas as Ray actors: one single-process engine each, and the pool that starts them.
+
+A replica takes prompt token ids and returns generated token ids with their decoding
+statistics; tokenization, chunking and prompts stay with the caller, so a sharded
+replica (a coordinator over pipeline stages) can take this one's place behind the
+same `generate` call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import ray
+
+from pipeline.engine import Engine, EngineConfig, StrategyConfig
+from pipeline.errors import ConfigError
+from pipeline.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# A replica that dies is restarted (it reloads its model) and the request it was running
+# is retried: greedy decoding is deterministic and a seeded request replays, so a retried
+# request returns what the first attempt would have.
+MAX_RESTARTS = 2
+MAX_TASK_RETRIES = 2
+
+
+class EngineReplica:
+    """One model replica in one worker process (wrapped by `ray.remote` in ReplicaPool)."""
+
+    def __init__(self, engine_config: EngineConfig, strategy: StrategyConfig, num_threads: int | None = None) -> None:
+        import torch
+
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        started = time.perf_counter()
+        self.engine = Engine(engine_config)
+        self.strategy = strategy
+        self.load_s = time.perf_counter() - started
+
+    def info(self) -> dict:
+        import torch
+
+        return {
+            "model": self.engine.name,
+            "mode": self.engine.mode.value,
+            "max_context": self.engine.model.max_context,
+            "threads": torch.get_num_threads(),
+            "load_s": self.load_s,
+            "pid": os.getpid(),
+        }
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams) -> dict:
+        import torch
+
+        result = self.engine.generate(torch.tensor(prompt_ids, dtype=torch.long), self.strategy, max_new_tokens, params)
+        return {
+            "token_ids": result.token_ids,
+            "finish_reason": result.finish_reason,
+            "stats": result.stats.to_dict(),
+            "extra": result.extra,
+        }
+
+
+# CPUs left to Ray Data's own tasks (reading, the summarize stage's dispatchers, writing)
+# when replicas are placed: with every CPU held by a replica, the job would wait forever.
+DATA_CPUS = 0.5
+
+
+@dataclass(frozen=True)
+class ReplicaResources:
+    num_cpus: float | None = None  # None: up to one CPU each, whatever the cluster has after DATA_CPUS
+    num_gpus: float = 0.0
+    num_threads: int | None = None  # torch threads per replica; None: Ray's default for the reservation
+
+
+class ReplicaPool:
+    """Starts `count` replicas, waits until each has loaded its model, and hands out their handles."""
+
+    def __init__(
+        self,
+        count: int,
+        engine_config: EngineConfig,
+        strategy: StrategyConfig,
+        resources: ReplicaResources = ReplicaResources(),
+        start_timeout_s: float = 600.0,
+    ) -> None:
+        if count < 1:
+            raise ConfigError(f"need at least one replica, got {count}")
+        num_cpus = _cpus_per_replica(count, resources)
+        actor = ray.remote(EngineReplica).options(
+            num_cpus=num_cpus,
+            num_gpus=resources.num_gpus,
+            max_restarts=MAX_RESTARTS,
+            max_task_retries=MAX_TASK_RETRIES,
+        )
+        self.handles = [actor.remote(engine_config, strategy, resources.num_threads) for _ in range(count)]
+        ready, pending = ray.wait([h.info.remote() for h in self.handles], num_returns=count, timeout=start_timeout_s)
+        if pending:
+            self.shutdown()
+            raise ConfigError(
+                f"{len(pending)} of {count} replicas did not start within {start_timeout_s:.0f} s "
+                f"(each asks for {num_cpus:g} CPUs and {resources.num_gpus} GPUs; "
+                f"the cluster has {ray.available_resources()})"
+            )
+        self.infos = ray.get(ready)
+        for info in self.infos:
+            logger.info(
+                "Replica ready: %s in %s mode, %d threads, loaded in %.1f s",
+                info["model"], info["mode"], info["threads"], info["load_s"],
+            )
+
+    @property
+    def max_context(self) -> int:
+        return self.infos[0]["max_context"]
+
+    def shutdown(self) -> None:
+        for handle in self.handles:
+            ray.kill(handle)
+        self.handles = []
+
+
+def _cpus_per_replica(count: int, resources: ReplicaResources) -> float:
+    """CPUs to reserve per replica; fails at once, naming what is missing, when the cluster
+    can never hold the replicas and still run the data stages."""
+    total = ray.cluster_resources()
+    usable = total.get("CPU", 0.0) - DATA_CPUS
+    if resources.num_gpus and count * resources.num_gpus > total.get("GPU", 0.0):
+        raise ConfigError(
+            f"{count} replicas × {resources.num_gpus:g} GPU need {count * resources.num_gpus:g} GPUs, "
+            f"but the cluster has {total.get('GPU', 0.0):g}; lower --replicas"
+        )
+    num_cpus = resources.num_cpus if resources.num_cpus is not None else min(1.0, usable / count)
+    if num_cpus <= 0 or count * num_cpus > usable + 1e-9:
+        raise ConfigError(
+            f"{count} replicas × {num_cpus:g} CPUs need {count * num_cpus:g} CPUs plus {DATA_CPUS:g} for the data "
+            f"stages, but the cluster has {total.get('CPU', 0.0):g}; lower --replicas or --cpus-per-replica"
+        )
+    return num_cpus

@@ -1,0 +1,282 @@
+"""Summarize a collection of long documents on Ray: Ray Data streams them through a pool of
+model replicas and writes Parquet.
+
+    python jobs/summarize.py                      # bundled documents, embedded model, local Ray
+    ray job submit --working-dir . -- python jobs/summarize.py --input docs.parquet --output out/
+
+Inputs: Parquet files or folders, JSONL, a `datasets` save_to_disk folder, or a folder of
+.txt files. Documents longer than a request's prompt budget are summarized by map-reduce
+over chunks cut at paragraph boundaries. The output, `OUTPUT/summaries.parquet/`, holds one
+row per input row, errors included; `--resume` continues an interrupted run without
+writing any id twice. A bad path, format or column ends with one `error: ...` line and exit
+code 2 before any work starts.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# jobs/profile.py would shadow the standard library's `profile` module (which torch and
+# transformers import) for every script run from this folder: take the folder off the path.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
+
+import argparse
+import logging
+import os
+import time
+from typing import NoReturn
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_INPUT = REPO / "data" / "sample.jsonl"
+EXIT_USAGE = 2
+OUTPUT_NAME = "summaries.parquet"
+DEFAULT_STRATEGY = "knapspec-lookup"
+DEFAULT_MAX_NEW_TOKENS = 64
+DEFAULT_MAX_CHUNK_TOKENS = 4096
+
+logger = logging.getLogger("summarize")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but its errors end in the same one `error:` line as every other failure."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"error: {message} (see --help)\n")
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {number}")
+    return number
+
+
+def _positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {number}")
+    return number
+
+
+def _id_list(value: str) -> frozenset[str]:
+    ids = frozenset(part.strip() for part in value.split(",") if part.strip())
+    if not ids:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ids, got {value!r}")
+    return ids
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from pipeline.engine import STRATEGIES
+    from pipeline.linear import DTYPE_CHOICES
+
+    parser = _Parser(prog="summarize.py", description=__doc__.split("\n\n")[0])
+    data = parser.add_argument_group("data")
+    data.add_argument(
+        "--input",
+        type=Path,
+        default=DEFAULT_INPUT,
+        help="a .parquet/.jsonl file or folder, a datasets save_to_disk folder, or a folder of .txt files "
+        "(default: the bundled sample documents)",
+    )
+    data.add_argument("--output", type=Path, default=Path("out"), help=f"output folder; rows go to OUTPUT/{OUTPUT_NAME}/")
+    data.add_argument("--id-column", default="id")
+    data.add_argument("--text-column", default="text")
+    data.add_argument(
+        "--reference-column", help="reference summaries for ROUGE (default: reference_summary, when present)"
+    )
+    data.add_argument("--ids", type=_id_list, help="summarize only these ids (comma-separated)")
+    data.add_argument("--limit", type=_positive_int, help="summarize only the first N input rows")
+    data.add_argument("--resume", action="store_true", help="skip ids already written with status ok, redo the rest")
+    data.add_argument("--overwrite", action="store_true", help="replace the rows of an earlier run")
+
+    model = parser.add_argument_group("model and decoding")
+    model.add_argument("--model", help="a local Hugging Face checkpoint folder on every node (default: the embedded model)")
+    model.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=STRATEGIES)
+    model.add_argument("--max-new-tokens", type=_positive_int, default=DEFAULT_MAX_NEW_TOKENS, help="per request")
+    model.add_argument(
+        "--max-chunk-tokens",
+        type=_positive_int,
+        default=DEFAULT_MAX_CHUNK_TOKENS,
+        help="prompt budget of one request, template included; longer documents are chunked "
+        f"(default {DEFAULT_MAX_CHUNK_TOKENS}, capped by the model's context)",
+    )
+    model.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    model.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    model.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    model.add_argument("--top-p", type=float, default=1.0)
+    model.add_argument("--top-k", type=int, default=0)
+    model.add_argument("--seed", type=int, help="sampling seed; each request derives its own from it")
+
+    cluster = parser.add_argument_group("Ray")
+    cluster.add_argument("--address", help="a Ray cluster to join (default: the job's cluster, else a local one)")
+    cluster.add_argument("--replicas", type=_positive_int, default=1, help="model replicas (data parallel)")
+    cluster.add_argument("--pipeline-parallel", type=_positive_int, default=1, help="pipeline stages per replica")
+    cluster.add_argument("--tensor-parallel", type=_positive_int, default=1, help="tensor-parallel ranks per stage")
+    cluster.add_argument(
+        "--cpus-per-replica", type=_positive_float, help="Ray CPUs reserved per replica (default: 1, less when "
+        "the cluster is smaller; half a CPU stays free for the data stages)"
+    )
+    cluster.add_argument(
+        "--threads-per-replica", type=_positive_int, help="torch threads per replica (default: this machine's cores "
+        "shared among the replicas for a local run, else the reserved CPUs)"
+    )
+    cluster.add_argument(
+        "--documents-in-flight", type=_positive_int, help="documents summarized at once (default: 2 per replica)"
+    )
+    parser.add_argument("--cache-dir", type=Path, help="where the embedded model's safetensors copy lives")
+    parser.add_argument("--quiet", action="store_true", help="log warnings only")
+    return parser.parse_args(argv)
+
+
+def _check_args(args: argparse.Namespace):
+    """Everything checkable before Ray starts: input, output, settings. Returns (input spec, resume state)."""
+    from pipeline import checkpoint
+    from pipeline.documents import resolve_input
+    from pipeline.engine import StrategyConfig
+    from pipeline.errors import ConfigError
+    from pipeline.linear import resolve_compute_mode
+    from pipeline.output import prepare_output
+    from pipeline.sampling import SamplingParams
+
+    if args.pipeline_parallel > 1 or args.tensor_parallel > 1:
+        raise ConfigError(
+            "--pipeline-parallel/--tensor-parallel > 1 need the sharded replicas, which this version does not "
+            "have yet; use --replicas for data parallelism"
+        )
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume and --overwrite exclude each other")
+    spec = resolve_input(args.input, args.id_column, args.text_column, args.reference_column)
+    resolve_compute_mode(args.dtype, args.device)
+    StrategyConfig(name=args.strategy)
+    SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    if args.model is not None:
+        checkpoint.resolve_checkpoint(args.model)
+    resume = prepare_output(args.output / OUTPUT_NAME, args.resume, args.overwrite)
+    return spec, resume
+
+
+def _init_ray(address: str | None) -> bool:
+    """Join the given or ambient cluster; else start a local one. True when we started it."""
+    import ray
+
+    if address is not None or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address, log_to_driver=True)
+        return False
+    # A local run needs no network: keep Ray on the loopback interface (Ray otherwise
+    # binds the machine's interface address).
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(include_dashboard=False)
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+
+    from actors.replica import ReplicaPool, ReplicaResources
+    from pipeline import checkpoint
+    from pipeline.documents import find_duplicate_ids, read_documents
+    from pipeline.engine import EngineConfig, StrategyConfig
+    from pipeline.sampling import SamplingParams
+    from pipeline.sink import SummarySink
+    from pipeline.summarize import SummarizeBatch, SummarizeSettings
+
+    spec, resume = _check_args(args)
+    started = time.perf_counter()
+    # The embedded model is converted once here, not by every replica at once.
+    model_path = checkpoint.resolve_checkpoint(args.model, args.cache_dir)
+    local = _init_ray(args.address)
+    pool = None
+    try:
+        threads = args.threads_per_replica
+        if threads is None:
+            reserved = args.cpus_per_replica or 1.0
+            threads = max(1, (os.cpu_count() or 1) // args.replicas) if local else max(1, round(reserved))
+        engine_config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
+        resources = ReplicaResources(
+            num_cpus=args.cpus_per_replica, num_gpus=1.0 if args.device == "cuda" else 0.0, num_threads=threads
+        )
+
+        documents = read_documents(spec)
+        duplicates = find_duplicate_ids(documents)
+        if duplicates:
+            logger.warning("%d ids occur more than once; their rows become errors", len(duplicates))
+        if args.ids is not None:
+            wanted = args.ids
+            documents = documents.filter(lambda row: row["id"] in wanted)
+        if args.limit is not None:
+            documents = documents.limit(args.limit)
+        if resume.done_ids:
+            done = resume.done_ids
+            documents = documents.filter(lambda row: row["id"] is None or row["id"] not in done)
+
+        pool = ReplicaPool(args.replicas, engine_config, StrategyConfig(name=args.strategy), resources)
+        settings = SummarizeSettings(
+            model=checkpoint.EMBEDDED_MODEL if args.model is None else str(args.model),
+            strategy=args.strategy,
+            max_new_tokens=args.max_new_tokens,
+            max_prompt_tokens=min(args.max_chunk_tokens, pool.max_context - args.max_new_tokens),
+            params=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
+        )
+        in_flight = args.documents_in_flight or 2 * args.replicas
+        summaries = documents.map_batches(
+            SummarizeBatch,
+            fn_constructor_kwargs={
+                "replicas": pool.handles,
+                "settings": settings,
+                "tokenizer_path": str(model_path),
+                "duplicate_ids": duplicates,
+            },
+            batch_size=1,  # a row is written as soon as its document is done
+            batch_format="pyarrow",
+            concurrency=in_flight,
+            # These actors only tokenize and wait on replicas; the replicas hold the CPUs.
+            num_cpus=0.1,
+        )
+        sink = SummarySink(args.output / OUTPUT_NAME)
+        summaries.write_datasink(sink, ray_remote_args={"num_cpus": 0.1})
+    finally:
+        if pool is not None:
+            pool.shutdown()
+        if local:
+            ray.shutdown()
+    wall_s = time.perf_counter() - started
+    totals = sink.totals
+    print(f"\nWrote {totals.rows} rows to {args.output / OUTPUT_NAME} in {wall_s:.0f} s", end="")
+    print(f" ({len(resume.done_ids)} ids done earlier)" if resume.done_ids else "")
+    print(totals.table(wall_s))
+    for line in totals.first_errors:
+        print(f"  error row {line}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from pipeline.errors import KnapSpecError
+
+    try:
+        return run(args)
+    except (KnapSpecError, OSError) as e:
+        # Input and configuration problems: the message says what to fix, a traceback adds nothing.
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("error: interrupted; rerun with --resume to continue", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""The summarization job's output: a fixed Parquet schema, atomic part files, resume.
+
+The output is a folder of Parquet part files (one dataset, readable with
+`pandas.read_parquet(folder)`), written as the job streams. Each part file appears
+under its final name only once it is complete (written to a temporary name, then
+renamed), so a killed job leaves whole part files and nothing half-written; resuming
+skips the ids that already have an `ok` row and removes the rows it is about to
+redo, so no id is ever written twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+OUTPUT_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("summary", pa.string()),
+        ("status", pa.string()),  # "ok" or "error"
+        ("error", pa.string()),
+        ("model", pa.string()),
+        ("strategy", pa.string()),
+        ("prompt_tokens", pa.int64()),
+        ("output_tokens", pa.int64()),
+        ("num_chunks", pa.int64()),
+        ("steps", pa.int64()),
+        ("drafted_tokens", pa.int64()),
+        ("accepted_tokens", pa.int64()),
+        ("acceptance_rate", pa.float64()),
+        ("mean_accepted_len", pa.float64()),
+        ("mean_skipped_attn", pa.float64()),
+        ("mean_skipped_mlp", pa.float64()),
+        ("prefill_s", pa.float64()),
+        ("decode_s", pa.float64()),
+        ("tokens_per_s", pa.float64()),
+        ("rouge1", pa.float64()),
+        ("rouge2", pa.float64()),
+        ("rougeL", pa.float64()),
+        ("finished_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+OUTPUT_COLUMNS = tuple(OUTPUT_SCHEMA.names)
+STATUS_OK = "ok"
+STATUS_ERROR = "error"
+PART_SUFFIX = ".parquet"
+_TMP_SUFFIX = ".tmp"
+
+
+def error_row(row_id: str | None, message: str, model: str, strategy: str) -> dict[str, Any]:
+    """An output row for an input row that failed: every statistic null, the reason in `error`."""
+    row = dict.fromkeys(OUTPUT_COLUMNS)
+    row.update(id=row_id, status=STATUS_ERROR, error=message, model=model, strategy=strategy, finished_at=now())
+    return row
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
+    """Rows (dicts with exactly the output columns) as a table of OUTPUT_SCHEMA."""
+    for row in rows:
+        if set(row) != set(OUTPUT_COLUMNS):
+            extra, missing = set(row) - set(OUTPUT_COLUMNS), set(OUTPUT_COLUMNS) - set(row)
+            raise ValueError(f"output row has extra columns {sorted(extra)} / lacks {sorted(missing)}")
+    return pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA)
+
+
+def write_part(folder: Path, table: pa.Table) -> Path:
+    """Write one part file atomically: readers never see a partial file under a final name."""
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / f"part-{uuid.uuid4().hex}{PART_SUFFIX}"
+    tmp = final.with_name(final.name + _TMP_SUFFIX)
+    pq.write_table(table.cast(OUTPUT_SCHEMA), tmp)
+    os.replace(tmp, final)
+    return final
+
+
+def part_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob(f"*{PART_SUFFIX}")) if folder.is_dir() else []
+
+
+def read_output(folder: Path | str, columns: Iterable[str] | None = None) -> pa.Table:
+    """All rows written to an output folder so far (an empty table of the schema when none)."""
+    files = part_files(Path(folder))
+    columns = list(columns) if columns is not None else list(OUTPUT_COLUMNS)
+    schema = pa.schema([OUTPUT_SCHEMA.field(name) for name in columns])
+    if not files:
+        return schema.empty_table()
+    return pa.concat_tables([pq.read_table(f, columns=columns, schema=OUTPUT_SCHEMA).cast(schema) for f in files])
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    done_ids: frozenset[str]  # ids with an `ok` row, skipped by this run
+    kept_rows: int
+    dropped_rows: int  # error rows removed because this run retries them
+
+
+def prepare_output(folder: Path, resume: bool, overwrite: bool) -> ResumeState:
+    """Get the output folder ready for a run.
+
+    - a new or empty folder: nothing to do;
+    - `resume`: keep the `ok` rows, whose ids this run skips; remove every other row
+      (errors are retried, so they would otherwise appear twice), and any leftover
+      temporary file of a killed run;
+    - `overwrite`: remove the earlier parts;
+    - neither, with earlier parts present: ConfigError, so that no run silently mixes with
+      or destroys another's output.
+    """
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"output {folder} exists and is not a folder")
+    for tmp in folder.glob(f"*{_TMP_SUFFIX}") if folder.is_dir() else ():
+        tmp.unlink()
+    files = part_files(folder)
+    if not files:
+        return ResumeState(frozenset(), 0, 0)
+    if overwrite:
+        for f in files:
+            f.unlink()
+        logger.info("Removed %d part files of an earlier run from %s", len(files), folder)
+        return ResumeState(frozenset(), 0, 0)
+    if not resume:
+        raise ConfigError(
+            f"output {folder} already holds {len(files)} part files of an earlier run; "
+            "pass --resume to continue it or --overwrite to replace it"
+        )
+    done: set[str] = set()
+    kept = dropped = 0
+    for f in files:
+        table = pq.read_table(f, schema=OUTPUT_SCHEMA)
+        ok = [status == STATUS_OK and row_id is not None for row_id, status in zip(
+            table.column("id").to_pylist(), table.column("status").to_pylist()
+        )]
+        # An `ok` row of an id already seen cannot come from our writes; keep the first
+        # defensively rather than count it twice.
+        keep = []
+        for row_id, is_ok in zip(table.column("id").to_pylist(), ok):
+            keep.append(is_ok and row_id not in done)
+            if is_ok:
+                done.add(row_id)
+        kept += sum(keep)
+        dropped += len(keep) - sum(keep)
+        if all(keep):
+            continue
+        if any(keep):
+            write_part(folder, table.filter(pa.array(keep)))
+        f.unlink()
+    logger.info("Resuming: %d ids already done, %d earlier rows to redo", len(done), dropped)
+    return ResumeState(frozenset(done), kept, dropped)
+
+
+@dataclass
+class RunTotals:
+    """What a run wrote, summed over part files: the job's closing table."""
+
+    rows: int = 0
+    ok: int = 0
+    errors: int = 0
+    chunks: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    rouge_sums: dict[str, float] = field(default_factory=dict)
+    rouge_counts: int = 0
+    first_errors: list[str] = field(default_factory=list)
+
+    def add_table(self, table: pa.Table) -> None:
+        for row in table.to_pylist():
+            self.rows += 1
+            if row["status"] != STATUS_OK:
+                self.errors += 1
+                if len(self.first_errors) < _ERRORS_SHOWN:
+                    self.first_errors.append(f"{row['id']}: {row['error']}")
+                continue
+            self.ok += 1
+            self.chunks += row["num_chunks"] or 0
+            for name in ("prompt_tokens", "output_tokens", "steps", "drafted_tokens", "accepted_tokens"):
+                setattr(self, name, getattr(self, name) + (row[name] or 0))
+            self.prefill_s += row["prefill_s"] or 0.0
+            self.decode_s += row["decode_s"] or 0.0
+            if row["rouge1"] is not None:
+                self.rouge_counts += 1
+                for name in _ROUGE:
+                    self.rouge_sums[name] = self.rouge_sums.get(name, 0.0) + row[name]
+
+    def merge(self, other: RunTotals) -> None:
+        for name in ("rows", "ok", "errors", "chunks", "prompt_tokens", "output_tokens", "steps",
+                     "drafted_tokens", "accepted_tokens", "prefill_s", "decode_s", "rouge_counts"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name, value in other.rouge_sums.items():
+            self.rouge_sums[name] = self.rouge_sums.get(name, 0.0) + value
+        self.first_errors = (self.first_errors + other.first_errors)[:_ERRORS_SHOWN]
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
+
+    def rouge(self, name: str) -> float | None:
+        return self.rouge_sums[name] / self.rouge_counts if self.rouge_counts else None
+
+    def table(self, wall_s: float) -> str:
+        """A short markdown table; replica-time rates are per replica, the hourly rate is wall clock."""
+
+        def fmt(value: float | None, digits: int = 3) -> str:
+            return "–" if value is None else f"{value:.{digits}f}"
+
+        decode_rate = self.output_tokens / self.decode_s if self.decode_s else None
+        header = (
+            "| rows | ok | error | chunks | prompt tokens | output tokens | prefill s | decode s "
+            "| decode tok/s | acceptance | ROUGE-1 | ROUGE-2 | ROUGE-L | docs/hour |"
+        )
+        values = (
+            f"| {self.rows} | {self.ok} | {self.errors} | {self.chunks} | {self.prompt_tokens} | {self.output_tokens} "
+            f"| {self.prefill_s:.1f} | {self.decode_s:.1f} | {fmt(decode_rate, 1)} | {fmt(self.acceptance_rate)} "
+            f"| {fmt(self.rouge('rouge1'))} | {fmt(self.rouge('rouge2'))} | {fmt(self.rouge('rougeL'))} "
+            f"| {fmt(self.ok * 3600 / wall_s if wall_s > 0 else None, 1)} |"
+        )
+        return "\n".join([header, "|" + "---|" * 14, values])
+
+
+_ERRORS_SHOWN = 5
+_ROUGE = ("rouge1", "rouge2", "rougeL")
