@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: install
-	$(PY) jobs/generate.py --input data/sample.jsonl --id gao-26-109008 --max-context 2000 --max-new-tokens 96
+	$(PY) jobs/summarize.py --overwrite
 
 test: install
 	$(PY) -m pytest -m "not gpu" -q

@@ -35,6 +35,10 @@ OUTPUT_NAME = "summaries.parquet"
 DEFAULT_STRATEGY = "knapspec-lookup"
 DEFAULT_MAX_NEW_TOKENS = 64
 DEFAULT_MAX_CHUNK_TOKENS = 4096
+# Every data stage (filter, summarize dispatchers, write) asks for a tenth of a CPU: the
+# replicas hold the CPUs, and a stage asking Ray Data's default of one CPU could wait forever
+# behind them on a small machine.
+DATA_TASK_CPUS = 0.1
 
 logger = logging.getLogger("summarize")
 
@@ -210,12 +214,14 @@ def run(args: argparse.Namespace) -> int:
             logger.warning("%d ids occur more than once; their rows become errors", len(duplicates))
         if args.ids is not None:
             wanted = args.ids
-            documents = documents.filter(lambda row: row["id"] in wanted)
+            documents = documents.filter(lambda row: row["id"] in wanted, num_cpus=DATA_TASK_CPUS)
         if args.limit is not None:
             documents = documents.limit(args.limit)
         if resume.done_ids:
             done = resume.done_ids
-            documents = documents.filter(lambda row: row["id"] is None or row["id"] not in done)
+            documents = documents.filter(
+                lambda row: row["id"] is None or row["id"] not in done, num_cpus=DATA_TASK_CPUS
+            )
 
         pool = ReplicaPool(args.replicas, engine_config, StrategyConfig(name=args.strategy), resources)
         settings = SummarizeSettings(
@@ -238,10 +244,10 @@ def run(args: argparse.Namespace) -> int:
             batch_format="pyarrow",
             concurrency=in_flight,
             # These actors only tokenize and wait on replicas; the replicas hold the CPUs.
-            num_cpus=0.1,
+            num_cpus=DATA_TASK_CPUS,
         )
         sink = SummarySink(args.output / OUTPUT_NAME)
-        summaries.write_datasink(sink, ray_remote_args={"num_cpus": 0.1})
+        summaries.write_datasink(sink, ray_remote_args={"num_cpus": DATA_TASK_CPUS})
     finally:
         if pool is not None:
             pool.shutdown()

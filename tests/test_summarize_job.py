@@ -82,7 +82,7 @@ def test_one_output_row_per_input_row(bad_rows_parquet, tiny_chat_checkpoint, tm
     assert by_id["short"][0]["num_chunks"] == 1 and by_id["short"][0]["rouge1"] is None
     long_row = by_id[rows[1]["id"]][0]
     assert long_row["num_chunks"] >= 3 and long_row["rouge1"] is not None
-    assert "empty" in by_id["empty"][0]["error"] and "empty" in by_id["blank"][0]["error"]
+    assert by_id["empty"][0]["error"] == "text is empty" and "whitespace" in by_id["blank"][0]["error"]
     assert "id" in by_id[None][0]["error"]
     assert [r["status"] for r in by_id["twice"]] == ["error", "error"]
     assert all("2 times" in r["error"] or "more than once" in r["error"] for r in by_id["twice"])
