@@ -120,7 +120,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--seed", type=int, help="sampling seed; each request derives its own from it")
 
     cluster = parser.add_argument_group("Ray")
-    cluster.add_argument("--address", help="a Ray cluster to join (default: the job's cluster, else a local one)")
+    cluster.add_argument(
+        "--address",
+        help="a Ray cluster to join, or `auto` for the one `ray start` began on this machine "
+        "(default: the job's cluster under `ray job submit`, else a new local one)",
+    )
     cluster.add_argument("--replicas", type=_positive_int, default=1, help="model replicas (data parallel)")
     cluster.add_argument("--pipeline-parallel", type=_positive_int, default=1, help="pipeline stages per replica")
     cluster.add_argument("--tensor-parallel", type=_positive_int, default=1, help="tensor-parallel ranks per stage")
@@ -175,9 +179,10 @@ def _init_ray(address: str | None) -> bool:
         ray.init(address=address, log_to_driver=True)
         return False
     # A local run needs no network: keep Ray on the loopback interface (Ray otherwise
-    # binds the machine's interface address).
+    # binds the machine's interface address). "local" starts a new cluster even where a
+    # `ray start` left its address behind; `--address auto` joins that one instead.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(include_dashboard=False)
+    ray.init(address="local", include_dashboard=False)
     return True
 
 

@@ -77,6 +77,17 @@ def ray_head(tmp_path):
             os.killpg(head.pid, signal.SIGKILL)
             head.wait()
         log.close()
+        _forget_address(f"127.0.0.1:{gcs_port}")
+
+
+def _forget_address(address: str) -> None:
+    """`ray start` records its address for later `ray.init()` calls on this machine; a head
+    stopped without `ray stop` leaves it behind, and they would try to join a dead cluster."""
+    from ray._common.utils import get_ray_address_file
+
+    path = Path(get_ray_address_file(None))
+    if path.is_file() and path.read_text().strip() == address:
+        path.unlink()
 
 
 def test_ray_job_submit_summarizes_every_row(ray_head, tiny_chat_checkpoint, tmp_path):
