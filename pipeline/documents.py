@@ -327,9 +327,7 @@ def read_documents(spec: InputSpec, rows_per_block: int = 8) -> ray.data.Dataset
 
     # Reading is light next to the model replicas, which hold most of the CPUs; a read task
     # asking for a whole CPU could wait forever behind them.
-    return ray.data.read_datasource(
-        _datasource_class()(spec, rows_per_block), ray_remote_args={"num_cpus": READ_TASK_CPUS}
-    )
+    return ray.data.read_datasource(_datasource_class()(spec, rows_per_block), num_cpus=READ_TASK_CPUS)
 
 
 def __getattr__(name: str) -> Any:

@@ -125,8 +125,6 @@ class SublayerModel:
             lm_head = Linear(get("lm_head.weight"), None, mode)
         else:
             raise ConfigError("checkpoint has no lm_head.weight and does not tie it to the embeddings")
-        window = sliding_window_of(config)
-        max_context = spec.max_position_embeddings if window is None else min(window, spec.max_position_embeddings)
         return cls(
             spec=spec,
             layers=layers,
@@ -135,7 +133,7 @@ class SublayerModel:
             lm_head=lm_head,
             rotary=LlamaRotaryEmbedding(config).to(device),
             mode=mode,
-            max_context=max_context,
+            max_context=max_context_of(config, spec),
             device=device,
         )
 
@@ -176,14 +174,34 @@ class SublayerModel:
         Writes their keys/values into `cache` for the attention items it executes.
         `logits` is "all" (one row per token), "last", or "none".
         """
-        num_tokens = token_ids.shape[0]
+        h = self.embed[token_ids]  # [T, d]
+        out, hidden = self.run_layers(cache, h, start, skip, return_hidden)
+        out_logits = None
+        if logits != "none":
+            out_logits = self.logits(out[-1:] if logits == "last" else out)
+        return ForwardOutput(
+            logits=out_logits,
+            hidden_states=torch.cat([h[None], hidden]) if return_hidden else None,
+        )
+
+    @torch.inference_mode()
+    def run_layers(
+        self,
+        cache: KVCache,
+        h: torch.Tensor,
+        start: int,
+        skip: Collection[int] = (),
+        return_hidden: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The residual stream [T, d] of tokens at [start, start + T) through every item not in
+        `skip`; with `return_hidden`, also the stream after each item [num_items, T, d]."""
+        num_tokens = h.shape[0]
         end = start + num_tokens
         cache.check_room(end)
         cos, sin = self._rotary_tables(end)
         cos, sin = cos[start:end], sin[start:end]  # [T, head_dim]
         mask = _attention_mask(num_tokens, start, self.device)
-        h = self.embed[token_ids]  # [T, d]
-        hidden = [h] if return_hidden else None
+        hidden = [] if return_hidden else None
         for i, layer in enumerate(self.layers):
             if 2 * i not in skip:
                 h = h + self._attention(layer, i, h, cache, start, cos, sin, mask)
@@ -193,13 +211,7 @@ class SublayerModel:
                 h = h + self._mlp(layer, h)
             if return_hidden:
                 hidden.append(h)
-        out_logits = None
-        if logits != "none":
-            out_logits = self.logits(h[-1:] if logits == "last" else h)
-        return ForwardOutput(
-            logits=out_logits,
-            hidden_states=torch.stack(hidden) if return_hidden else None,
-        )
+        return h, torch.stack(hidden) if return_hidden else None
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: residual stream [rows, d] -> float32 logits [rows, V]."""
@@ -277,8 +289,7 @@ class SublayerModel:
 
     @property
     def prefill_chunk(self) -> int:
-        rows = PREFILL_ACTIVATION_BUDGET // (2 * self.spec.intermediate_size)
-        return max(MIN_PREFILL_CHUNK, min(MAX_PREFILL_CHUNK, 1 << max(rows, 1).bit_length() - 1))
+        return prefill_chunk_for(self.spec)
 
     @torch.inference_mode()
     def prefill(self, cache: KVCache, token_ids: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
@@ -369,6 +380,18 @@ class SublayerModel:
         probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
         out = torch.bmm(probs, values)  # [kv_heads, groups * T, head_dim]
         return out.view(s.num_kv_heads, groups, num_tokens, s.head_dim).permute(2, 0, 1, 3).reshape(num_tokens, -1)
+
+
+def max_context_of(config, spec: ModelSpec) -> int:
+    """Most positions a request may use: the trained length, or the sliding window if shorter."""
+    window = sliding_window_of(config)
+    return spec.max_position_embeddings if window is None else min(window, spec.max_position_embeddings)
+
+
+def prefill_chunk_for(spec: ModelSpec) -> int:
+    """Prompt rows per prefill forward: as many as the activation budget allows (a power of two)."""
+    rows = PREFILL_ACTIVATION_BUDGET // (2 * spec.intermediate_size)
+    return max(MIN_PREFILL_CHUNK, min(MAX_PREFILL_CHUNK, 1 << max(rows, 1).bit_length() - 1))
 
 
 def _attention_mask(num_tokens: int, start: int, device: torch.device) -> torch.Tensor | None:

@@ -1,0 +1,164 @@
+"""Pipeline stages: each loads only its tensors, and decoding over P stages — in this process
+or as Ray actors — gives the single-process model's logits and tokens for every strategy."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import SAMPLE_DOCS, load_tiny, make_tiny_checkpoint
+from test_knapspec import CONFIG, latency
+
+from pipeline import checkpoint
+from pipeline.decoding import DecodeConfig, decode, prefill
+from pipeline.drafters import LayerSkipDrafter, NoDraft
+from pipeline.errors import ConfigError
+from pipeline.knapspec import KnapSpecDrafter
+from pipeline.linear import ComputeMode
+from pipeline.sampling import SamplingParams
+from pipeline.staged_model import PipelineModel, StageLayout, StageModel, partition_layers
+
+
+@pytest.fixture(scope="module")
+def six_layers(tmp_path_factory):
+    """Six layers, two of them quiet, so that drafts skipping them agree with the full model."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("six"), "llama", num_hidden_layers=6, quiet_layers=(2, 3))
+
+
+def prompt(seed: int, length: int = 48) -> torch.Tensor:
+    return torch.randint(3, 96, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def generate(model, prompt_ids, drafter, max_new=32) -> list[int]:
+    prefilled = prefill(model, prompt_ids, max_new)
+    result = decode(model, prefilled, DecodeConfig(max_new_tokens=max_new), SamplingParams(), drafter, prompt_ids.tolist())
+    return result.token_ids
+
+
+def test_partition_is_contiguous_and_even():
+    assert partition_layers(30, 1) == [(0, 30)]
+    assert partition_layers(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    assert partition_layers(6, 3) == [(0, 2), (2, 4), (4, 6)]
+    with pytest.raises(ConfigError):
+        partition_layers(4, 5)
+
+
+def test_a_stage_reads_only_its_own_tensors(six_layers):
+    total = sum(f.stat().st_size for f in six_layers.glob("*.safetensors"))
+    stages = [StageModel(six_layers, StageLayout(i, 3, 2 * i, 2 * i + 2), ComputeMode.FP32) for i in range(3)]
+    middle = stages[1].loaded_bytes
+    assert middle < 0.4 * total, (middle, total)  # a third of the layers, no embeddings or head
+    assert stages[0].loaded_bytes > middle and stages[2].loaded_bytes > middle
+    assert sum(s.loaded_bytes for s in stages) == pytest.approx(total, rel=0.01)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+def test_pipeline_forward_matches_the_whole_model(six_layers, num_stages):
+    _, whole = load_tiny(six_layers)
+    pipeline = PipelineModel.local(six_layers, num_stages, ComputeMode.FP32)
+    ids = prompt(0)
+    cache, pcache = whole.new_cache(64), pipeline.new_cache(64)
+    expected = whole.forward(cache, ids, 0, logits="all", return_hidden=True)
+    got = pipeline.forward(pcache, ids, 0, logits="all", return_hidden=True)
+    torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.hidden_states, expected.hidden_states, rtol=1e-5, atol=1e-5)
+    # Then a skipping draft forward of two tokens on top of the cache.
+    more = prompt(1, 2)
+    expected = whole.forward(cache, more, 48, skip={2, 5, 7})
+    got = pipeline.forward(pcache, more, 48, skip={2, 5, 7})
+    torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
+    h = torch.randn(3, 4, whole.spec.hidden_size)
+    for item in (0, 5, 11):
+        torch.testing.assert_close(
+            pipeline.run_item_branches(item, h, pcache, 48), whole.run_item_branches(item, h, cache, 48)
+        )
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+@pytest.mark.parametrize("strategy", ["ar", "static", "knapspec"])
+def test_greedy_tokens_equal_the_single_process_engine(six_layers, num_stages, strategy):
+    _, whole = load_tiny(six_layers)
+    pipeline = PipelineModel.local(six_layers, num_stages, ComputeMode.FP32)
+
+    def drafter():
+        if strategy == "static":
+            return LayerSkipDrafter((4, 5, 6, 7), whole.spec.num_items, max_draft=3)
+        if strategy == "knapspec":
+            return KnapSpecDrafter(latency(whole.spec.num_layers, verify_growth=0.0), CONFIG)
+        return NoDraft()
+
+    for seed in (0, 1):
+        ids = prompt(seed)
+        reference = generate(whole, ids, NoDraft())
+        assert generate(pipeline, ids, drafter()) == reference
+
+
+def test_a_stage_whose_items_are_all_skipped_is_bypassed(six_layers):
+    pipeline = PipelineModel.local(six_layers, 3, ComputeMode.FP32)
+    cache = pipeline.new_cache(64)
+    pipeline.forward(cache, prompt(0), 0)
+    hops = pipeline.hops
+    pipeline.forward(cache, prompt(1, 1), 48, skip={4, 5, 6, 7})  # the whole middle stage
+    assert pipeline.hops - hops == 1  # stage 0 -> stage 2 only
+    pipeline.forward(cache, prompt(2, 1), 49, skip={4})
+    assert pipeline.hops - hops == 3
+
+
+@pytest.mark.ray
+class TestRayStages:
+    @pytest.fixture(scope="class", autouse=True)
+    def ray_cluster(self):
+        import ray
+
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        ray.init(address="local", num_cpus=4, include_dashboard=False)
+        yield
+        ray.shutdown()
+
+    @pytest.mark.parametrize("num_stages", [2, 3])
+    def test_greedy_tokens_through_shard_actors(self, six_layers, num_stages):
+        import ray
+
+        from actors.shard import start_pipeline
+
+        _, whole = load_tiny(six_layers)
+        pipeline, handles = start_pipeline(six_layers, num_stages, ComputeMode.FP32, num_cpus=0.5, num_threads=1)
+        try:
+            for strategy in ("ar", "knapspec"):
+                drafter = (
+                    NoDraft() if strategy == "ar"
+                    else KnapSpecDrafter(latency(whole.spec.num_layers, verify_growth=0.0), CONFIG)
+                )
+                ids = prompt(3)
+                assert generate(pipeline, ids, drafter) == generate(whole, ids, NoDraft()), strategy
+            infos = ray.get([h.info.remote() for h in handles])
+            assert [i["layers"] for i in infos] == [tuple(r) for r in partition_layers(6, num_stages)]
+        finally:
+            for h in handles:
+                ray.kill(h)
+
+    @pytest.mark.slow
+    def test_real_model_on_a_sample_document(self):
+        """SmolLM2 in two stage actors: ar and knapspec give the single-process tokens on real text."""
+        import json
+
+        from actors.shard import start_pipeline
+        from pipeline.engine import Engine, EngineConfig, StrategyConfig
+        from pipeline.prompts import build_prompt
+
+        engine = Engine(EngineConfig(dtype="fp32"))
+        doc = next(json.loads(line) for line in SAMPLE_DOCS.open() if "crs-r48179" in line)
+        ids = build_prompt(engine.tokenizer, doc["text"], max_prompt_tokens=600).token_ids
+        reference = engine.generate(ids, StrategyConfig("ar"), 24).token_ids
+        path = checkpoint.resolve_checkpoint(None)
+        pipeline, handles = start_pipeline(path, 2, ComputeMode.FP32, num_cpus=1, num_threads=1)
+        try:
+            assert generate(pipeline, ids, NoDraft(), max_new=24) == reference
+            drafter = KnapSpecDrafter(engine.latency, CONFIG)
+            assert generate(pipeline, ids, drafter, max_new=24) == reference
+        finally:
+            import ray
+
+            for h in handles:
+                ray.kill(h)
