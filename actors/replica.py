@@ -71,11 +71,74 @@ class EngineReplica:
 DATA_CPUS = 0.5
 
 
+class PipelineReplica(EngineReplica):
+    """One model replica as a coordinator over pipeline stages (ShardActors).
+
+    The draft/verify loop, the drafters and the search run here unchanged; the stages hold
+    the layers and the KV caches. A request that loses a stage (it died and was restarted
+    without its caches) is run again from the start: greedy and seeded decoding replay, so
+    its output does not change.
+    """
+
+    RETRIES = 2
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        strategy: StrategyConfig,
+        num_stages: int,
+        stage_cpus: float,
+        num_threads: int | None = None,
+    ) -> None:
+        from actors.shard import start_pipeline
+        from pipeline import checkpoint
+        from pipeline.engine import SEARCHING_STRATEGIES
+        from pipeline.linear import resolve_compute_mode
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if strategy.name in ("hf", "hf-lookup"):
+            raise ConfigError(f"strategy {strategy.name!r} runs transformers in one process; it has no pipeline form")
+        started = time.perf_counter()
+        path = checkpoint.resolve_checkpoint(engine_config.model, engine_config.cache_dir)
+        mode = resolve_compute_mode(engine_config.dtype, engine_config.device)
+        self.pipeline, self.stages = start_pipeline(
+            path, num_stages, mode, engine_config.device, num_cpus=stage_cpus, num_threads=num_threads
+        )
+        self.engine = Engine(engine_config, model=self.pipeline)
+        self.strategy = strategy
+        if strategy.name in SEARCHING_STRATEGIES:
+            self.engine.latency  # noqa: B018 -- a missing latency table fails at start, not per request
+        self.load_s = time.perf_counter() - started
+
+    def info(self) -> dict:
+        return {
+            "model": self.engine.name,
+            "mode": self.engine.mode.value,
+            "max_context": self.engine.model.max_context,
+            "threads": len(self.stages),  # stages; each runs its own threads
+            "load_s": self.load_s,
+            "pid": os.getpid(),
+        }
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams) -> dict:
+        for attempt in range(self.RETRIES + 1):
+            try:
+                return super().generate(prompt_ids, max_new_tokens, params)
+            except ray.exceptions.RayError as e:
+                if attempt == self.RETRIES:
+                    raise
+                logger.warning("A pipeline stage failed (%s); running the request again from the start", e)
+            finally:
+                self.pipeline.free_all()
+        raise AssertionError("unreachable")
+
+
 @dataclass(frozen=True)
 class ReplicaResources:
     num_cpus: float | None = None  # None: up to one CPU each, whatever the cluster has after DATA_CPUS
     num_gpus: float = 0.0
     num_threads: int | None = None  # torch threads per replica; None: Ray's default for the reservation
+    pipeline_parallel: int = 1  # stages per replica; each gets num_cpus / pipeline_parallel
 
 
 class ReplicaPool:
@@ -92,13 +155,23 @@ class ReplicaPool:
         if count < 1:
             raise ConfigError(f"need at least one replica, got {count}")
         num_cpus = _cpus_per_replica(count, resources)
-        actor = ray.remote(EngineReplica).options(
-            num_cpus=num_cpus,
-            num_gpus=resources.num_gpus,
-            max_restarts=MAX_RESTARTS,
-            max_task_retries=MAX_TASK_RETRIES,
-        )
-        self.handles = [actor.remote(engine_config, strategy, resources.num_threads) for _ in range(count)]
+        stages = resources.pipeline_parallel
+        if stages == 1:
+            actor = ray.remote(EngineReplica).options(
+                num_cpus=num_cpus,
+                num_gpus=resources.num_gpus,
+                max_restarts=MAX_RESTARTS,
+                max_task_retries=MAX_TASK_RETRIES,
+            )
+            self.handles = [actor.remote(engine_config, strategy, resources.num_threads) for _ in range(count)]
+        else:
+            # The coordinator keeps the loop's books and waits on its stages; they hold the CPUs.
+            actor = ray.remote(PipelineReplica).options(num_cpus=0, max_restarts=MAX_RESTARTS,
+                                                        max_task_retries=MAX_TASK_RETRIES)
+            self.handles = [
+                actor.remote(engine_config, strategy, stages, num_cpus / stages, resources.num_threads)
+                for _ in range(count)
+            ]
         ready, pending = ray.wait([h.info.remote() for h in self.handles], num_returns=count, timeout=start_timeout_s)
         if pending:
             self.shutdown()
@@ -129,9 +202,10 @@ def _cpus_per_replica(count: int, resources: ReplicaResources) -> float:
     can never hold the replicas and still run the data stages."""
     total = ray.cluster_resources()
     usable = total.get("CPU", 0.0) - DATA_CPUS
-    if resources.num_gpus and count * resources.num_gpus > total.get("GPU", 0.0):
+    gpus = count * resources.num_gpus * resources.pipeline_parallel  # a GPU per stage
+    if gpus > total.get("GPU", 0.0):
         raise ConfigError(
-            f"{count} replicas × {resources.num_gpus:g} GPU need {count * resources.num_gpus:g} GPUs, "
+            f"{count} replicas of {resources.pipeline_parallel} stages need {gpus:g} GPUs, "
             f"but the cluster has {total.get('GPU', 0.0):g}; lower --replicas"
         )
     num_cpus = resources.num_cpus if resources.num_cpus is not None else min(1.0, usable / count)

@@ -126,7 +126,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(default: the job's cluster under `ray job submit`, else a new local one)",
     )
     cluster.add_argument("--replicas", type=_positive_int, default=1, help="model replicas (data parallel)")
-    cluster.add_argument("--pipeline-parallel", type=_positive_int, default=1, help="pipeline stages per replica")
+    cluster.add_argument(
+        "--pipeline-parallel", type=_positive_int, default=1,
+        help="pipeline stages per replica, each a Ray actor holding its share of the layers",
+    )
     cluster.add_argument("--tensor-parallel", type=_positive_int, default=1, help="tensor-parallel ranks per stage")
     cluster.add_argument(
         "--cpus-per-replica", type=_positive_float, help="Ray CPUs reserved per replica (default: 1, less when "
@@ -154,11 +157,13 @@ def _check_args(args: argparse.Namespace):
     from pipeline.output import prepare_output
     from pipeline.sampling import SamplingParams
 
-    if args.pipeline_parallel > 1 or args.tensor_parallel > 1:
+    if args.tensor_parallel > 1:
         raise ConfigError(
-            "--pipeline-parallel/--tensor-parallel > 1 need the sharded replicas, which this version does not "
-            "have yet; use --replicas for data parallelism"
+            "--tensor-parallel > 1 needs tensor-parallel stages, which this version does not have yet; "
+            "use --pipeline-parallel or --replicas"
         )
+    if args.pipeline_parallel > 1 and args.strategy in ("hf", "hf-lookup"):
+        raise ConfigError(f"--strategy {args.strategy} runs transformers in one process; it has no pipeline form")
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")
     spec = resolve_input(args.input, args.id_column, args.text_column, args.reference_column)
@@ -207,10 +212,19 @@ def run(args: argparse.Namespace) -> int:
         threads = args.threads_per_replica
         if threads is None:
             reserved = args.cpus_per_replica or 1.0
-            threads = max(1, (os.cpu_count() or 1) // args.replicas) if local else max(1, round(reserved))
+            # Per process: a replica, or each stage of a pipelined one.
+            processes = args.replicas * args.pipeline_parallel
+            threads = (
+                max(1, (os.cpu_count() or 1) // processes)
+                if local
+                else max(1, round(reserved / args.pipeline_parallel))
+            )
         engine_config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
         resources = ReplicaResources(
-            num_cpus=args.cpus_per_replica, num_gpus=1.0 if args.device == "cuda" else 0.0, num_threads=threads
+            num_cpus=args.cpus_per_replica,
+            num_gpus=1.0 if args.device == "cuda" else 0.0,
+            num_threads=threads,
+            pipeline_parallel=args.pipeline_parallel,
         )
 
         documents = read_documents(spec)

@@ -73,15 +73,18 @@ class StrategyConfig:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model=None) -> None:
+        """`model`: an already built model of `config.model` with the SublayerModel interface
+        (a PipelineModel over stage actors); None loads the whole model in this process."""
         self.config = config
         self.device = torch.device(config.device)
         self.mode: ComputeMode = resolve_compute_mode(config.dtype, self.device)
         self.path = checkpoint.resolve_checkpoint(config.model, config.cache_dir)
         self.hf_config = checkpoint.load_config(self.path)
         self.tokenizer = checkpoint.load_tokenizer(self.path)
-        tensors = checkpoint.read_tensors(self.path)
-        self.model = SublayerModel.from_tensors(self.hf_config, tensors, self.mode, self.device)
+        if model is None:
+            model = SublayerModel.from_tensors(self.hf_config, checkpoint.read_tensors(self.path), self.mode, self.device)
+        self.model = model
         self.eos_token_ids = _eos_token_ids(self.path, self.hf_config, self.tokenizer)
         self._hf_model = None
         self._latency = config.latency
@@ -107,8 +110,27 @@ class Engine:
             from profiling.calibration import CalibrationKey, CalibrationStore
 
             store = CalibrationStore(self.config.calibration_dir)
-            key = CalibrationKey.for_model(self.model, self.name)
-            self._latency = store.load_or_measure(self.model, key).latency
+            if isinstance(self.model, SublayerModel):
+                key = CalibrationKey.for_model(self.model, self.name)
+                self._latency = store.load_or_measure(self.model, key).latency
+            else:
+                self._latency = self._stored_latency(store, CalibrationKey)
+        return self._latency
+
+    def _stored_latency(self, store, key_class) -> LatencyModel:
+        """A sharded model is not timed here: its stages run elsewhere. Until each stage is
+        calibrated on its own device, the searching strategies use this device's table of
+        the whole model, measured beforehand by jobs/profile.py."""
+        from profiling.calibration import DEFAULT_LAYOUT, device_name
+
+        key = key_class(device=device_name(self.device), model=self.name, dtype=self.mode.value, layout=DEFAULT_LAYOUT)
+        stored = store.get(key)
+        if stored is None:
+            raise ConfigError(
+                f"no latency table for {self.name} ({self.mode.value}) on {key.device}: the searching strategies "
+                "over pipeline stages need one; run jobs/profile.py with the same --model and --dtype first"
+            )
+        return stored.latency
         return self._latency
 
     def drafter(self, strategy: StrategyConfig) -> Drafter:

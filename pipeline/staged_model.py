@@ -231,12 +231,9 @@ class PipelineCache:
         twin = PipelineCache(self.pipeline, self.capacity)
         for link in self.pipeline.links:
             link.call("copy_cache", self.request_id, twin.request_id)
+        self.pipeline.live_requests.add(twin.request_id)
         twin.length = self.length
         return twin
-
-    def free(self) -> None:
-        for link in self.pipeline.links:
-            link.call("free", self.request_id)
 
 
 class PipelineModel:
@@ -260,6 +257,7 @@ class PipelineModel:
         self.prefill_chunk = prefill_chunk
         self.device = torch.device(device)
         self.hops = 0  # stage-to-stage transfers, for tests and statistics
+        self.live_requests: set[str] = set()
 
     @classmethod
     def local(cls, path: Path, num_stages: int, mode: ComputeMode, device: str = "cpu") -> PipelineModel:
@@ -281,7 +279,15 @@ class PipelineModel:
         cache = PipelineCache(self, capacity)
         for link in self.links:
             link.call("new_cache", cache.request_id, capacity)
+        self.live_requests.add(cache.request_id)
         return cache
+
+    def free_all(self) -> None:
+        """Drop every cache this pipeline made on its stages (a coordinator does so after each request)."""
+        for request_id in self.live_requests:
+            for link in self.links:
+                link.call("free", request_id)
+        self.live_requests.clear()
 
     @torch.inference_mode()
     def forward(

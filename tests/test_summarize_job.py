@@ -134,7 +134,7 @@ def test_resume_after_a_killed_run_writes_each_id_once(tiny_chat_checkpoint, tmp
         (["--input", "no/such/file.parquet"], "does not exist"),
         (["--input", "README.md"], "unknown format"),
         (["--text-column", "body"], "body"),
-        (["--pipeline-parallel", "2"], "sharded replicas"),
+        (["--tensor-parallel", "2"], "tensor-parallel"),
         (["--resume", "--overwrite"], "exclude each other"),
         (["--max-new-tokens", "0"], "--max-new-tokens"),
     ],
@@ -153,6 +153,24 @@ def test_an_earlier_output_is_not_overwritten_silently(tmp_path):
     write_part(tmp_path / OUTPUT_NAME, rows_to_table([ok_row("a")]))
     result = run_job("--output", tmp_path, timeout=120)
     assert result.returncode == 2 and "--resume" in result.stderr and "--overwrite" in result.stderr
+
+
+def test_pipeline_parallel_replicas_write_the_same_summaries(bad_rows_parquet, tiny_chat_checkpoint, tmp_path):
+    """Two replicas of two pipeline stages each (stage actors holding half the layers) give
+    the summaries of single-process replicas, token for token."""
+    path, rows = bad_rows_parquet
+    common = ["--input", path, "--model", tiny_chat_checkpoint, "--max-new-tokens", "16", "--max-chunk-tokens",
+              "512", "--strategy", "ar", "--dtype", "fp32", "--threads-per-replica", "1"]
+    single = run_job(*common, "--output", tmp_path / "p1")
+    piped = run_job(*common, "--output", tmp_path / "p2", "--pipeline-parallel", "2", "--replicas", "2")
+    assert single.returncode == 0 and piped.returncode == 0, piped.stderr[-3000:]
+
+    def summaries(folder):
+        table = read_output(folder / OUTPUT_NAME)
+        return sorted(zip(map(str, table.column("id").to_pylist()), map(str, table.column("summary").to_pylist())))
+
+    assert summaries(tmp_path / "p2") == summaries(tmp_path / "p1")
+    assert sum(1 for _, s in summaries(tmp_path / "p2") if s != "None") == 3
 
 
 @pytest.mark.slow
