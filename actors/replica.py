@@ -109,6 +109,7 @@ class PipelineReplica(EngineReplica):
         if strategy.name in SEARCHING_STRATEGIES:
             self.engine.latency  # noqa: B018 -- a missing latency table fails at start, not per request
         self.load_s = time.perf_counter() - started
+        self.retried = 0
 
     def info(self) -> dict:
         return {
@@ -117,8 +118,24 @@ class PipelineReplica(EngineReplica):
             "max_context": self.engine.model.max_context,
             "threads": len(self.stages),  # stages; each runs its own threads
             "load_s": self.load_s,
+            "retried_requests": self.retried,
             "pid": os.getpid(),
         }
+
+    def _wait_for_stages(self, timeout_s: float = 300.0) -> None:
+        """Until every stage answers: a restarting stage reloads its layers first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                ray.get([stage.info.remote() for stage in self.stages], timeout=max(deadline - time.monotonic(), 1))
+                return
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    def stage_handles(self) -> list:
+        return list(self.stages)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams) -> dict:
         for attempt in range(self.RETRIES + 1):
@@ -127,7 +144,9 @@ class PipelineReplica(EngineReplica):
             except ray.exceptions.RayError as e:
                 if attempt == self.RETRIES:
                     raise
-                logger.warning("A pipeline stage failed (%s); running the request again from the start", e)
+                logger.warning("A pipeline stage failed (%s); running the request again from the start", type(e).__name__)
+                self.retried += 1
+                self._wait_for_stages()
             finally:
                 self.pipeline.free_all()
         raise AssertionError("unreachable")

@@ -176,17 +176,19 @@ def _check_args(args: argparse.Namespace):
     return spec, resume
 
 
+def _starts_local_cluster(address: str | None) -> bool:
+    return address is None and not os.environ.get("RAY_ADDRESS")
+
+
 def _init_ray(address: str | None) -> bool:
     """Join the given or ambient cluster; else start a local one. True when we started it."""
     import ray
 
-    if address is not None or os.environ.get("RAY_ADDRESS"):
+    if not _starts_local_cluster(address):
         ray.init(address=address, log_to_driver=True)
         return False
-    # A local run needs no network: keep Ray on the loopback interface (Ray otherwise
-    # binds the machine's interface address). "local" starts a new cluster even where a
-    # `ray start` left its address behind; `--address auto` joins that one instead.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # "local" starts a new cluster even where a `ray start` left its address behind;
+    # `--address auto` joins that one instead.
     ray.init(address="local", include_dashboard=False)
     return True
 
@@ -284,6 +286,10 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if _starts_local_cluster(args.address):
+        # A local run needs no network: keep Ray on the loopback interface (on Linux Ray
+        # otherwise binds the machine's interface address). Ray reads this when imported.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     logging.basicConfig(
         level=logging.WARNING if args.quiet else logging.INFO,
         stream=sys.stderr,

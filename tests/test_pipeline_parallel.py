@@ -4,10 +4,11 @@ or as Ray actors — gives the single-process model's logits and tokens for ever
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
-from conftest import SAMPLE_DOCS, load_tiny, make_tiny_checkpoint
+from conftest import SAMPLE_DOCS, load_tiny, make_tiny_chat_checkpoint, make_tiny_checkpoint
 from test_knapspec import CONFIG, latency
 
 from pipeline import checkpoint
@@ -137,6 +138,32 @@ class TestRayStages:
         finally:
             for h in handles:
                 ray.kill(h)
+
+    def test_a_killed_stage_does_not_change_the_output(self, tmp_path):
+        """Kill a stage actor while a request runs: Ray restarts it (without its caches), the
+        coordinator runs the request again from the start, and the tokens are those of an
+        undisturbed run."""
+        import ray
+
+        from actors.replica import PipelineReplica
+        from pipeline.engine import EngineConfig, StrategyConfig
+
+        model = make_tiny_chat_checkpoint(tmp_path / "model", num_hidden_layers=6)
+        config = EngineConfig(model=str(model), dtype="fp32")
+        coordinator = ray.remote(PipelineReplica).options(num_cpus=0).remote(
+            config, StrategyConfig("static", skip=(4, 5, 6, 7)), 3, 0.5, 1
+        )
+        ids = torch.randint(300, 40000, (200,), generator=torch.Generator().manual_seed(4)).tolist()
+        expected = ray.get(coordinator.generate.remote(ids, 300, SamplingParams()))["token_ids"]
+        assert len(expected) == 300
+        middle = ray.get(coordinator.stage_handles.remote())[1]
+        running = coordinator.generate.remote(ids, 300, SamplingParams())
+        time.sleep(0.3)
+        ray.kill(middle, no_restart=False)
+        assert ray.get(running)["token_ids"] == expected
+        assert ray.get(coordinator.info.remote())["retried_requests"] == 1  # the kill did interrupt it
+        assert ray.get(middle.info.remote())["layers"] == (2, 4)  # restarted, same layers
+        ray.kill(coordinator)
 
     @pytest.mark.slow
     def test_real_model_on_a_sample_document(self):
