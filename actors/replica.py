@@ -158,6 +158,7 @@ class ReplicaResources:
     num_gpus: float = 0.0
     num_threads: int | None = None  # torch threads per replica; None: Ray's default for the reservation
     pipeline_parallel: int = 1  # stages per replica; each gets num_cpus / pipeline_parallel
+    requests_in_flight: int = 4  # per pipelined replica
 
 
 class ReplicaPool:
@@ -185,8 +186,14 @@ class ReplicaPool:
             self.handles = [actor.remote(engine_config, strategy, resources.num_threads) for _ in range(count)]
         else:
             # The coordinator keeps the loop's books and waits on its stages; they hold the CPUs.
-            actor = ray.remote(PipelineReplica).options(num_cpus=0, max_restarts=MAX_RESTARTS,
-                                                        max_task_retries=MAX_TASK_RETRIES)
+            # Several requests at once, a thread each, keep all stages busy: while one request's
+            # tokens are in stage 1, another's are in stage 0.
+            actor = ray.remote(PipelineReplica).options(
+                num_cpus=0,
+                max_restarts=MAX_RESTARTS,
+                max_task_retries=MAX_TASK_RETRIES,
+                max_concurrency=resources.requests_in_flight,
+            )
             self.handles = [
                 actor.remote(engine_config, strategy, stages, num_cpus / stages, resources.num_threads)
                 for _ in range(count)

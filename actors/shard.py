@@ -39,6 +39,10 @@ class ShardActor:
         self.stage = StageModel(Path(path), layout, ComputeMode(mode), device)
         self.load_s = time.perf_counter() - started
 
+    def echo(self, value):
+        """Returns its argument: the cost of a hop without the work (benchmarks)."""
+        return value
+
     def info(self) -> dict:
         layout = self.stage.layout
         return {

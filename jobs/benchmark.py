@@ -88,6 +88,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also run the DP's best candidates as forced draft models, to test the latency model's predictions",
     )
     parser.add_argument("--forced", type=int, default=4, help="how many DP candidates --no-fallback runs")
+    pipe = parser.add_argument_group(
+        "pipeline throughput (instead of the strategy comparison): requests through one replica of P stage "
+        "actors, one at a time vs several in flight, and the cost of one hop"
+    )
+    pipe.add_argument("--pipeline-parallel", type=int, help="stages of the replica (e.g. 2)")
+    pipe.add_argument("--in-flight", default="1,4", help="requests in flight, comma-separated")
+    pipe.add_argument("--requests", type=int, default=8, help="requests per measurement")
     return parser.parse_args(argv)
 
 
@@ -123,6 +130,8 @@ def verify_costs(engine: Engine, prompt_ids: torch.Tensor, rounds: int = 9) -> d
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.pipeline_parallel:
+        return pipeline_throughput(args)
     pairs = [tuple(s.split(":")) for s in args.strategies.split(",")]
     reference = tuple(args.reference.split(":"))
     for name, dtype in pairs + [reference]:
@@ -327,6 +336,79 @@ def format_tables(records: list[Record], verify_rows: list[dict], reference: tup
         ratios = " | ".join(f"{v[f'verify_{k}_over_1']:.2f}" for k in VERIFY_SIZES[1:])
         lines.append(f"| {v['doc_id']} | {v['context_tokens']} | {v['dtype']} | {v['t_forward_1_s'] * 1e3:.1f} | {ratios} |")
     return "\n".join(lines)
+
+
+
+
+def pipeline_throughput(args: argparse.Namespace) -> int:
+    """Tokens/s of one pipelined replica with 1 vs k requests in flight (interleaved, repeated,
+    medians), and the median round trip of one hidden state to a stage actor."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray is imported: stay on 127.0.0.1
+    import ray
+
+    from actors.replica import PipelineReplica
+
+    stages = args.pipeline_parallel
+    in_flight = [int(x) for x in args.in_flight.split(",")]
+    length = int(args.context_lengths.split(",")[0])
+    name, dtype = args.strategies.split(",")[0].split(":") if ":" in args.strategies else ("ar", "fp16w")
+    ray.init(address="local", include_dashboard=False)
+    try:
+        from pipeline import checkpoint
+
+        engine_config = EngineConfig(model=args.model, dtype=dtype)
+        path = checkpoint.resolve_checkpoint(args.model)
+        tokenizer = checkpoint.load_tokenizer(path)
+        texts = list(load_documents(args.input, args.ids.split(",")).values())
+        prompts = [
+            build_prompt(tokenizer, texts[i % len(texts)][i * 500 :], length).token_ids.tolist()
+            for i in range(args.requests)
+        ]
+        threads = max(1, (os.cpu_count() or 1) // stages)
+        replica = ray.remote(PipelineReplica).options(num_cpus=0, max_concurrency=max(in_flight)).remote(
+            engine_config, StrategyConfig(name), stages, 0.5, threads
+        )
+        ray.get(replica.info.remote())
+        params = SamplingParams()
+
+        def run(k: int) -> float:
+            started = time.perf_counter()
+            with ThreadPoolExecutor(k) as pool:
+                outs = list(pool.map(lambda ids: ray.get(replica.generate.remote(ids, args.max_new_tokens, params)), prompts))
+            return sum(len(o["token_ids"]) for o in outs) / (time.perf_counter() - started)
+
+        run(1)  # warm-up: first calls load kernels on every stage
+        rates: dict[int, list[float]] = {k: [] for k in in_flight}
+        for _ in range(args.repeats):
+            for k in in_flight:
+                rates[k].append(run(k))
+        stage = ray.get(replica.stage_handles.remote())[-1]
+        hidden = torch.zeros(1, checkpoint.load_config(path).hidden_size)
+        hops = []
+        for _ in range(50):
+            started = time.perf_counter()
+            ray.get(stage.echo.remote(hidden))
+            hops.append(time.perf_counter() - started)
+    finally:
+        ray.shutdown()
+    base = statistics.median(rates[in_flight[0]])
+    rows = [
+        {"pipeline_parallel": stages, "in_flight": k, "tokens_per_s": statistics.median(v),
+         "vs_first": statistics.median(v) / base, "repeats": len(v)}
+        for k, v in rates.items()
+    ]
+    hop_ms = statistics.median(hops) * 1e3
+    args.output.mkdir(parents=True, exist_ok=True)
+    (args.output / "pipeline_benchmark.json").write_text(json.dumps({"rows": rows, "hop_ms": hop_ms}, indent=2))
+    print(f"| stages | requests in flight | tokens/s (prefill + decode) | vs {in_flight[0]} in flight |")
+    print("|---:|---:|---:|---:|")
+    for row in rows:
+        print(f"| {stages} | {row['in_flight']} | {row['tokens_per_s']:.1f} | {row['vs_first']:.2f} |")
+    print(f"\nOne hop (a hidden state to a stage actor and back), median of 50: {hop_ms:.2f} ms")
+    return 0
 
 
 if __name__ == "__main__":

@@ -140,7 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "shared among the replicas for a local run, else the reserved CPUs)"
     )
     cluster.add_argument(
-        "--documents-in-flight", type=_positive_int, help="documents summarized at once (default: 2 per replica)"
+        "--documents-in-flight", type=_positive_int, help="documents summarized at once (default: 2 per replica and stage)"
     )
     parser.add_argument("--cache-dir", type=Path, help="where the embedded model's safetensors copy lives")
     parser.add_argument("--quiet", action="store_true", help="log warnings only")
@@ -227,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
             num_gpus=1.0 if args.device == "cuda" else 0.0,
             num_threads=threads,
             pipeline_parallel=args.pipeline_parallel,
+            requests_in_flight=2 * args.pipeline_parallel,
         )
 
         documents = read_documents(spec)
@@ -252,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
             max_prompt_tokens=min(args.max_chunk_tokens, pool.max_context - args.max_new_tokens),
             params=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
         )
-        in_flight = args.documents_in_flight or 2 * args.replicas
+        in_flight = args.documents_in_flight or 2 * args.replicas * args.pipeline_parallel
         summaries = documents.map_batches(
             SummarizeBatch,
             fn_constructor_kwargs={

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import threading
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,7 +232,7 @@ class PipelineCache:
         twin = PipelineCache(self.pipeline, self.capacity)
         for link in self.pipeline.links:
             link.call("copy_cache", self.request_id, twin.request_id)
-        self.pipeline.live_requests.add(twin.request_id)
+        self.pipeline._track(twin.request_id)
         twin.length = self.length
         return twin
 
@@ -257,7 +258,9 @@ class PipelineModel:
         self.prefill_chunk = prefill_chunk
         self.device = torch.device(device)
         self.hops = 0  # stage-to-stage transfers, for tests and statistics
-        self.live_requests: set[str] = set()
+        # Caches made on the stages, per calling thread: a coordinator serving several requests
+        # at once (one thread each) frees only those of the request that ended.
+        self._live = threading.local()
 
     @classmethod
     def local(cls, path: Path, num_stages: int, mode: ComputeMode, device: str = "cpu") -> PipelineModel:
@@ -279,15 +282,20 @@ class PipelineModel:
         cache = PipelineCache(self, capacity)
         for link in self.links:
             link.call("new_cache", cache.request_id, capacity)
-        self.live_requests.add(cache.request_id)
+        self._track(cache.request_id)
         return cache
 
+    def _track(self, request_id: str) -> None:
+        if not hasattr(self._live, "ids"):
+            self._live.ids = set()
+        self._live.ids.add(request_id)
+
     def free_all(self) -> None:
-        """Drop every cache this pipeline made on its stages (a coordinator does so after each request)."""
-        for request_id in self.live_requests:
+        """Drop the stage caches this thread made (a coordinator does so after each request)."""
+        for request_id in getattr(self._live, "ids", ()):
             for link in self.links:
                 link.call("free", request_id)
-        self.live_requests.clear()
+        self._live.ids = set()
 
     @torch.inference_mode()
     def forward(
