@@ -21,6 +21,7 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 import argparse
 import json
 import logging
+import os
 from typing import NoReturn
 
 import torch
@@ -105,6 +106,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--instruction", default=DEFAULT_INSTRUCTION, help="prompt template containing {document}")
     parser.add_argument("--cache-dir", type=Path, help=f"default: {checkpoint.default_cache_dir()}")
+    parser.add_argument(
+        "--pipeline-parallel",
+        type=_positive_int,
+        default=1,
+        help="run the model as this many pipeline stages, Ray actors each holding its share of the layers "
+        "(a local Ray cluster unless --address names one)",
+    )
+    parser.add_argument("--tensor-parallel", type=_positive_int, default=1, help="only 1 for now")
+    parser.add_argument("--address", help="the Ray cluster for --pipeline-parallel (default: a new local one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--quiet", action="store_true", help="log warnings only")
     return parser.parse_args(argv)
@@ -241,6 +251,8 @@ def _check_settings(args: argparse.Namespace) -> tuple[StrategyConfig, SamplingP
         checkpoint.resolve_checkpoint(args.model)  # a bad folder fails here, not after the imports of a load
     if args.skip is not None and args.strategy != "static":
         logger.warning("--skip is used only by --strategy static; ignored for %s", args.strategy)
+    if args.tensor_parallel > 1:
+        raise ConfigError("--tensor-parallel > 1 is not available yet; use --pipeline-parallel")
     strategy = StrategyConfig(name=args.strategy, skip=args.skip, max_draft=args.max_draft)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     return strategy, params
@@ -251,7 +263,8 @@ def run(args: argparse.Namespace) -> dict:
     doc_id, document = load_document(args.input, args.doc_id)
     strategy, params = _check_settings(args)
 
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir))
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
+    engine = Engine(config) if args.pipeline_parallel == 1 else _pipelined_engine(args, config)
     engine.drafter(strategy)  # checks --skip against the model's items before any prefill
 
     # Room for the answer is reserved whatever the strategy, so every strategy sees
@@ -296,6 +309,22 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def _pipelined_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
+    """The engine over stage actors on Ray; they end with this process's Ray session."""
+    import ray
+
+    from actors.shard import start_pipeline
+
+    if args.strategy in ("hf", "hf-lookup"):
+        raise ConfigError(f"--strategy {args.strategy} runs transformers in one process; it has no pipeline form")
+    ray.init(address=args.address or "local", include_dashboard=False, log_to_driver=not args.quiet)
+    path = checkpoint.resolve_checkpoint(config.model, config.cache_dir)
+    mode = resolve_compute_mode(config.dtype, config.device)
+    threads = max(1, torch.get_num_threads() // args.pipeline_parallel)
+    pipeline, _ = start_pipeline(path, args.pipeline_parallel, mode, config.device, num_cpus=0.5, num_threads=threads)
+    return Engine(config, model=pipeline)
+
+
 def _stats_line(record: dict) -> str:
     stats = record["stats"]
     line = (
@@ -310,6 +339,9 @@ def _stats_line(record: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.pipeline_parallel > 1 and args.address is None:
+        # A local cluster needs no network: Ray stays on 127.0.0.1 (it reads this when imported).
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     logging.basicConfig(
         level=logging.WARNING if args.quiet else logging.INFO,
         stream=sys.stderr,

@@ -189,3 +189,27 @@ class TestRayStages:
 
             for h in handles:
                 ray.kill(h)
+
+
+@pytest.mark.ray
+def test_generate_cli_through_pipeline_stages(tmp_path):
+    """jobs/generate.py --pipeline-parallel 3 prints the tokens of the single-process run."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    model = make_tiny_chat_checkpoint(tmp_path / "model", num_hidden_layers=6)
+
+    def run(*extra):
+        result = subprocess.run(
+            [sys.executable, str(REPO / "jobs" / "generate.py"), "--input", str(SAMPLE_DOCS), "--id", "crs-r48179",
+             "--model", str(model), "--max-context", "300", "--max-new-tokens", "12", "--dtype", "fp32",
+             "--json", "--quiet", *extra],
+            capture_output=True, text=True, timeout=300, cwd=REPO,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        return json.loads(result.stdout)["token_ids"]
+
+    assert run("--pipeline-parallel", "3") == run()
