@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 
@@ -104,10 +104,12 @@ class PipelineReplica(EngineReplica):
         self.pipeline, self.stages = start_pipeline(
             path, num_stages, mode, engine_config.device, num_cpus=stage_cpus, num_threads=num_threads
         )
+        if strategy.name in SEARCHING_STRATEGIES and engine_config.latency is None:
+            # Each stage timed on its own device, plus the hop: the knapsack weighs a slow
+            # stage's items heavier and knows that a skipped middle stage saves its hop.
+            engine_config = replace(engine_config, latency=self.pipeline.calibrate(engine_config.calibration_dir))
         self.engine = Engine(engine_config, model=self.pipeline)
         self.strategy = strategy
-        if strategy.name in SEARCHING_STRATEGIES:
-            self.engine.latency  # noqa: B018 -- a missing latency table fails at start, not per request
         self.load_s = time.perf_counter() - started
         self.retried = 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,18 +31,16 @@ MAX_RESTARTS = 2
 class ShardActor:
     """One pipeline stage in one worker process (wrapped by `ray.remote` in start_pipeline)."""
 
-    def __init__(self, path: str, layout: StageLayout, mode: str, device: str, num_threads: int | None) -> None:
+    def __init__(
+        self, path: str, layout: StageLayout, mode: str, device: str, num_threads: int | None, slowdown: int = 1
+    ) -> None:
         import torch
 
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         started = time.perf_counter()
-        self.stage = StageModel(Path(path), layout, ComputeMode(mode), device)
+        self.stage = StageModel(Path(path), layout, ComputeMode(mode), device, slowdown)
         self.load_s = time.perf_counter() - started
-
-    def echo(self, value):
-        """Returns its argument: the cost of a hop without the work (benchmarks)."""
-        return value
 
     def info(self) -> dict:
         layout = self.stage.layout
@@ -66,7 +65,9 @@ class RayLink:
         return ray.get(value) if isinstance(value, ray.ObjectRef) else value
 
 
-_STAGE_METHODS = ("forward", "new_cache", "free", "copy_cache", "embed_tokens", "logits", "run_item_branches")
+_STAGE_METHODS = (
+    "forward", "new_cache", "free", "copy_cache", "embed_tokens", "logits", "run_item_branches", "calibrate", "echo",
+)
 
 
 def _actor_class():
@@ -91,8 +92,10 @@ def start_pipeline(
     num_cpus: float = 1.0,
     num_threads: int | None = None,
     start_timeout_s: float = 600.0,
+    slowdowns: Sequence[int] | None = None,
 ) -> tuple[PipelineModel, list]:
-    """Start one ShardActor per stage and return the pipeline over them, with the handles."""
+    """Start one ShardActor per stage and return the pipeline over them, with the handles.
+    `slowdowns` (tests) makes stage k's device that many times slower."""
     from pipeline import checkpoint
 
     config = checkpoint.load_config(path)
@@ -103,7 +106,10 @@ def start_pipeline(
     actor = ray.remote(_actor_class()).options(
         num_cpus=num_cpus, num_gpus=1 if device == "cuda" else 0, max_restarts=MAX_RESTARTS
     )
-    handles = [actor.remote(str(path), layout, mode.value, device, num_threads) for layout in layouts]
+    slowdowns = slowdowns or [1] * num_stages
+    handles = [
+        actor.remote(str(path), layout, mode.value, device, num_threads, slow) for layout, slow in zip(layouts, slowdowns)
+    ]
     ready, pending = ray.wait([h.info.remote() for h in handles], num_returns=len(handles), timeout=start_timeout_s)
     if pending:
         for h in handles:

@@ -19,6 +19,7 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ import torch
 
 from pipeline import checkpoint
 from pipeline.drafters import DEFAULT_MAX_DRAFT
-from pipeline.engine import STRATEGIES, Engine, EngineConfig, StrategyConfig
+from pipeline.engine import SEARCHING_STRATEGIES, STRATEGIES, Engine, EngineConfig, StrategyConfig
 from pipeline.errors import ConfigError, KnapSpecError, RowError
 from pipeline.linear import DTYPE_CHOICES, resolve_compute_mode
 from pipeline.prompt_lookup import DEFAULT_LOOKUP_MAX_DRAFT
@@ -322,6 +323,8 @@ def _pipelined_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
     mode = resolve_compute_mode(config.dtype, config.device)
     threads = max(1, torch.get_num_threads() // args.pipeline_parallel)
     pipeline, _ = start_pipeline(path, args.pipeline_parallel, mode, config.device, num_cpus=0.5, num_threads=threads)
+    if args.strategy in SEARCHING_STRATEGIES:
+        config = dataclasses.replace(config, latency=pipeline.calibrate())  # each stage on its own device
     return Engine(config, model=pipeline)
 
 

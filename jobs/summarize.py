@@ -196,7 +196,7 @@ def _init_ray(address: str | None) -> bool:
 def run(args: argparse.Namespace) -> int:
     import ray
 
-    from actors.replica import ReplicaPool, ReplicaResources
+    from actors.replica import DATA_CPUS, ReplicaPool, ReplicaResources
     from pipeline import checkpoint
     from pipeline.documents import find_duplicate_ids, read_documents
     from pipeline.engine import EngineConfig, StrategyConfig
@@ -265,8 +265,9 @@ def run(args: argparse.Namespace) -> int:
             batch_size=1,  # a row is written as soon as its document is done
             batch_format="pyarrow",
             concurrency=in_flight,
-            # These actors only tokenize and wait on replicas; the replicas hold the CPUs.
-            num_cpus=DATA_TASK_CPUS,
+            # These actors only tokenize and wait on replicas; the replicas hold the CPUs. All of
+            # them, a read, a filter and a write task must fit in what the replicas leave free.
+            num_cpus=min(DATA_TASK_CPUS, (DATA_CPUS - 3 * DATA_TASK_CPUS) / in_flight),
         )
         sink = SummarySink(args.output / OUTPUT_NAME)
         summaries.write_datasink(sink, ray_remote_args={"num_cpus": DATA_TASK_CPUS})

@@ -53,8 +53,9 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     cache_dir: Path | None = None
-    # The latency model of the searching strategies; None: this device's calibration from
-    # the store (measured on first use, about ten seconds for a small model).
+    # The latency model of the searching strategies (a LatencyModel, or a PipelineLatency
+    # of stage tables); None: this device's calibration from the store (measured on first
+    # use, about ten seconds for a small model).
     latency: LatencyModel | None = None
     calibration_dir: Path | None = None
 
@@ -110,27 +111,11 @@ class Engine:
             from profiling.calibration import CalibrationKey, CalibrationStore
 
             store = CalibrationStore(self.config.calibration_dir)
-            if isinstance(self.model, SublayerModel):
-                key = CalibrationKey.for_model(self.model, self.name)
-                self._latency = store.load_or_measure(self.model, key).latency
-            else:
-                self._latency = self._stored_latency(store, CalibrationKey)
-        return self._latency
-
-    def _stored_latency(self, store, key_class) -> LatencyModel:
-        """A sharded model is not timed here: its stages run elsewhere. Until each stage is
-        calibrated on its own device, the searching strategies use this device's table of
-        the whole model, measured beforehand by jobs/profile.py."""
-        from profiling.calibration import DEFAULT_LAYOUT, device_name
-
-        key = key_class(device=device_name(self.device), model=self.name, dtype=self.mode.value, layout=DEFAULT_LAYOUT)
-        stored = store.get(key)
-        if stored is None:
-            raise ConfigError(
-                f"no latency table for {self.name} ({self.mode.value}) on {key.device}: the searching strategies "
-                "over pipeline stages need one; run jobs/profile.py with the same --model and --dtype first"
-            )
-        return stored.latency
+            if not isinstance(self.model, SublayerModel):
+                # A sharded model is timed by its stages, on their devices (PipelineModel.calibrate).
+                raise ConfigError("this engine's model runs elsewhere: pass its latency model in EngineConfig(latency=...)")
+            key = CalibrationKey.for_model(self.model, self.name)
+            self._latency = store.load_or_measure(self.model, key).latency
         return self._latency
 
     def drafter(self, strategy: StrategyConfig) -> Drafter:

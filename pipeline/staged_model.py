@@ -34,8 +34,10 @@ import torch
 from pipeline import checkpoint
 from pipeline.errors import ConfigError
 from pipeline.kv_cache import KVCache
+from pipeline.latency_model import LatencyModel
 from pipeline.linear import ComputeMode
 from pipeline.model_spec import ModelSpec
+from pipeline.pipeline_latency import PipelineLatency
 from pipeline.sublayer_model import ForwardOutput, SublayerModel
 
 logger = logging.getLogger(__name__)
@@ -99,7 +101,16 @@ class StageModel:
     """Layers [first, end) of a model, their KV caches per request, and (first/last stage)
     the embeddings and head. Items and layers are numbered as in the whole model."""
 
-    def __init__(self, path: Path, layout: StageLayout, mode: ComputeMode, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        path: Path,
+        layout: StageLayout,
+        mode: ComputeMode,
+        device: torch.device | str = "cpu",
+        slowdown: int = 1,
+    ) -> None:
+        """`slowdown` > 1 runs every sublayer that many times: a slower device, for tests of
+        heterogeneous pipelines (the profiler measures it like any other device)."""
         config = checkpoint.load_config(path)
         spec = ModelSpec.from_hf_config(config)
         if layout.end_layer > spec.num_layers:
@@ -110,6 +121,22 @@ class StageModel:
         self.loaded_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self.local = SublayerModel.from_tensors(*_local_view(config, spec, layout, tensors), mode, device)
         self.caches: dict[str, KVCache] = {}
+        self.model_name = path.name
+        self.slowdown = slowdown
+        if slowdown > 1:
+            _slow_down(self.local, slowdown)
+
+    def calibrate(self, store_dir: Path | None = None, measure_kwargs: dict | None = None) -> LatencyModel:
+        """This stage's latency table, measured on its own device (cached in that node's
+        calibration store under the stage's layout, so a restart or a rerun reuses it)."""
+        from profiling.calibration import CalibrationKey, CalibrationStore, device_name
+
+        layout = self.layout
+        name = f"pp{layout.num_stages}-stage{layout.index}" + (f"-slow{self.slowdown}" if self.slowdown > 1 else "")
+        key = CalibrationKey(
+            device=device_name(self.local.device), model=self.model_name, dtype=self.local.mode.value, layout=name
+        )
+        return CalibrationStore(store_dir).load_or_measure(self.local, key, **(measure_kwargs or {})).latency
 
     # Requests' caches. Positions are the request's; a cache holds only this stage's layers.
 
@@ -144,6 +171,10 @@ class StageModel:
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.local.embed_tokens(token_ids)
 
+    def echo(self, value):
+        """Returns its argument: the cost of a hop without the work."""
+        return value
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.local.logits(h)
 
@@ -165,6 +196,8 @@ def _local_view(config, spec: ModelSpec, layout: StageLayout, tensors: dict[str,
         local[name] = tensor
     local_config = copy.deepcopy(config)
     local_config.num_hidden_layers = layout.end_layer - layout.first_layer
+    if not layout.has_embeddings and not (layout.has_head and spec.tie_word_embeddings):
+        local_config.vocab_size = 1  # the one-row placeholder embeddings: token 0 only
     if not layout.has_head:
         local["model.norm.weight"] = torch.ones(spec.hidden_size)
         local_config.tie_word_embeddings = True
@@ -172,6 +205,22 @@ def _local_view(config, spec: ModelSpec, layout: StageLayout, tensors: dict[str,
     if layout.has_head and not spec.tie_word_embeddings and "lm_head.weight" not in local:
         raise ConfigError("checkpoint has no lm_head.weight and does not tie it to the embeddings")
     return local_config, local
+
+
+def _slow_down(model: SublayerModel, times: int) -> None:
+    attention, mlp = model._attention, model._mlp
+
+    def slow_attention(*args):
+        for _ in range(times - 1):
+            attention(*args)
+        return attention(*args)
+
+    def slow_mlp(*args):
+        for _ in range(times - 1):
+            mlp(*args)
+        return mlp(*args)
+
+    model._attention, model._mlp = slow_attention, slow_mlp
 
 
 # ------------------------------------------------------------------------------- links
@@ -263,13 +312,16 @@ class PipelineModel:
         self._live = threading.local()
 
     @classmethod
-    def local(cls, path: Path, num_stages: int, mode: ComputeMode, device: str = "cpu") -> PipelineModel:
-        """All stages in this process (tests; a machine without Ray)."""
+    def local(
+        cls, path: Path, num_stages: int, mode: ComputeMode, device: str = "cpu", slowdowns: Sequence[int] | None = None
+    ) -> PipelineModel:
+        """All stages in this process (tests; a machine without Ray). `slowdowns`: see StageModel."""
         spec = ModelSpec.from_hf_config(checkpoint.load_config(path))
         layouts = [
             StageLayout(i, num_stages, first, end) for i, (first, end) in enumerate(partition_layers(spec.num_layers, num_stages))
         ]
-        stages = [StageModel(path, layout, mode, device) for layout in layouts]
+        slowdowns = slowdowns or [1] * num_stages
+        stages = [StageModel(path, layout, mode, device, slow) for layout, slow in zip(layouts, slowdowns)]
         last = stages[-1].local
         return cls([LocalLink(s) for s in stages], layouts, spec, last.max_context, last.prefill_chunk, device)
 
@@ -347,6 +399,21 @@ class PipelineModel:
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.links[0].get(self.links[0].call("embed_tokens", token_ids))
+
+    def calibrate(self, store_dir: Path | None = None, hop_rounds: int = 30, **measure_kwargs) -> PipelineLatency:
+        """Every stage's table from its own device, and the median hop to the last stage."""
+        import statistics
+        import time
+
+        futures = [link.call("calibrate", store_dir, measure_kwargs or None) for link in self.links]
+        tables = [link.get(f) for link, f in zip(self.links, futures)]
+        probe = torch.zeros(1, self.spec.hidden_size)
+        hops = []
+        for _ in range(hop_rounds if len(self.links) > 1 else 0):
+            started = time.perf_counter()
+            self.links[-1].get(self.links[-1].call("echo", probe))
+            hops.append(time.perf_counter() - started)
+        return PipelineLatency.of(tables, statistics.median(hops) if hops else 0.0)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.links[-1].get(self.links[-1].call("logits", h))

@@ -165,6 +165,29 @@ class TestRayStages:
         assert ray.get(middle.info.remote())["layers"] == (2, 4)  # restarted, same layers
         ray.kill(coordinator)
 
+    def test_knapspec_replica_calibrates_its_stages(self, tmp_path):
+        """A pipelined knapspec replica times each stage on its own actor (and the hop), then
+        gives the tokens of plain decoding in one process."""
+        import ray
+
+        from actors.replica import EngineReplica, PipelineReplica
+        from pipeline.engine import EngineConfig, StrategyConfig
+
+        model = make_tiny_chat_checkpoint(tmp_path / "model", num_hidden_layers=6)
+        config = EngineConfig(model=str(model), dtype="fp32", calibration_dir=tmp_path / "store")
+        ids = torch.randint(300, 40000, (120,), generator=torch.Generator().manual_seed(6)).tolist()
+        single = EngineReplica(config, StrategyConfig("ar"), 1)
+        expected = single.generate(ids, 40, SamplingParams())["token_ids"]
+        coordinator = ray.remote(PipelineReplica).options(num_cpus=0).remote(
+            config, StrategyConfig("knapspec"), 2, 0.5, 1
+        )
+        try:
+            assert ray.get(coordinator.generate.remote(ids, 40, SamplingParams()))["token_ids"] == expected
+        finally:
+            ray.kill(coordinator)
+        stored = sorted(p.name for p in (tmp_path / "store").glob("*.json"))
+        assert len(stored) == 2 and "pp2-stage0" in stored[0] and "pp2-stage1" in stored[1]
+
     @pytest.mark.slow
     def test_real_model_on_a_sample_document(self):
         """SmolLM2 in two stage actors: ar and knapspec give the single-process tokens on real text."""
@@ -213,3 +236,28 @@ def test_generate_cli_through_pipeline_stages(tmp_path):
         return json.loads(result.stdout)["token_ids"]
 
     assert run("--pipeline-parallel", "3") == run()
+
+
+def test_a_slower_stage_gets_more_of_its_items_skipped(tmp_path):
+    """Heterogeneous devices: stage 1 runs every sublayer three times (a device three times
+    slower, which its own calibration measures); its items weigh more, and the knapsack
+    skips more of them than of the fast stage's."""
+    from pipeline.knapspec import search_candidates
+
+    # Every layer nearly redundant: agreement does not tell the stages apart, latency does.
+    path = make_tiny_checkpoint(tmp_path / "model", "llama", num_hidden_layers=8, quiet_layers=tuple(range(8)))
+    pipeline = PipelineModel.local(path, 2, ComputeMode.FP32, slowdowns=[1, 3])
+    measure = {"context_lengths": (64, 256), "repeats": 5, "max_verify": 4}
+    latency = pipeline.calibrate(tmp_path / "store", **measure)
+    weights = latency.item_weights(256)
+    fast, slow = sum(weights[:8]), sum(weights[8:])
+    assert slow > 1.5 * fast, weights
+    assert latency.stages[1].t_mlp > 2 * latency.stages[0].t_mlp
+
+    cache = pipeline.new_cache(300)
+    ids = prompt(5, 200)
+    pipeline.prefill(cache, ids[:192])
+    candidates = search_candidates(pipeline, cache, ids[192:200], 192, tuple(weights), CONFIG)
+    skipped = [(sum(1 for i in skip if i < 8), sum(1 for i in skip if i >= 8)) for skip, _ in candidates if skip]
+    assert skipped, "the DP found no candidate"
+    assert sum(s for _, s in skipped) > sum(f for f, _ in skipped), skipped
