@@ -111,6 +111,7 @@ class PipelineReplica(EngineReplica):
         self.engine = Engine(engine_config, model=self.pipeline)
         self.strategy = strategy
         self.load_s = time.perf_counter() - started
+        self.num_threads = num_threads
         self.retried = 0
 
     def info(self) -> dict:
@@ -118,7 +119,8 @@ class PipelineReplica(EngineReplica):
             "model": self.engine.name,
             "mode": self.engine.mode.value,
             "max_context": self.engine.model.max_context,
-            "threads": len(self.stages),  # stages; each runs its own threads
+            "threads": self.num_threads or 0,  # per stage
+            "stages": len(self.stages),
             "load_s": self.load_s,
             "retried_requests": self.retried,
             "pid": os.getpid(),

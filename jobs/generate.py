@@ -23,11 +23,11 @@ import dataclasses
 import json
 import logging
 import os
-from typing import NoReturn
 
 import torch
 
 from pipeline import checkpoint
+from pipeline.cli import EXIT_USAGE, Parser, positive_int
 from pipeline.drafters import DEFAULT_MAX_DRAFT
 from pipeline.engine import SEARCHING_STRATEGIES, STRATEGIES, Engine, EngineConfig, StrategyConfig
 from pipeline.errors import ConfigError, KnapSpecError, RowError
@@ -38,7 +38,6 @@ from pipeline.sampling import SamplingParams
 
 logger = logging.getLogger("generate")
 
-EXIT_USAGE = 2
 ID_COLUMN = "id"
 TEXT_COLUMN = "text"
 INPUT_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -46,21 +45,6 @@ INPUT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 _IDS_SHOWN = 5
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but its errors end in the same one `error:` line as every other failure."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"error: {message} (see --help)\n")
-
-
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {number}")
-    return number
 
 
 def _skip_items(value: str) -> tuple[int, ...]:
@@ -75,7 +59,7 @@ def _skip_items(value: str) -> tuple[int, ...]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = _Parser(
+    parser = Parser(
         prog="generate.py",
         description="Summarize one document with the KnapSpec engine in this process.",
     )
@@ -85,10 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--model", help=f"a local Hugging Face checkpoint folder (default: the embedded {checkpoint.EMBEDDED_MODEL})"
     )
     parser.add_argument("--strategy", default="ar", choices=STRATEGIES, help="decoding strategy (default: ar)")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument(
         "--max-context",
-        type=_positive_int,
+        type=positive_int,
         help="most prompt tokens; the document is cut to fit (default: what the model's context allows)",
     )
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
@@ -102,19 +86,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--max-draft",
-        type=_positive_int,
+        type=positive_int,
         help=f"most drafted tokens per step (default: {DEFAULT_MAX_DRAFT}; {DEFAULT_LOOKUP_MAX_DRAFT} for the lookups)",
     )
     parser.add_argument("--instruction", default=DEFAULT_INSTRUCTION, help="prompt template containing {document}")
     parser.add_argument("--cache-dir", type=Path, help=f"default: {checkpoint.default_cache_dir()}")
     parser.add_argument(
         "--pipeline-parallel",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="run the model as this many pipeline stages, Ray actors each holding its share of the layers "
         "(a local Ray cluster unless --address names one)",
     )
-    parser.add_argument("--tensor-parallel", type=_positive_int, default=1, help="only 1 for now")
+    parser.add_argument("--tensor-parallel", type=positive_int, default=1, help="only 1 for now")
     parser.add_argument("--address", help="the Ray cluster for --pipeline-parallel (default: a new local one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--quiet", action="store_true", help="log warnings only")

@@ -22,11 +22,11 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 
 import argparse  # noqa: E402
 import logging  # noqa: E402
-from typing import NoReturn  # noqa: E402
 
 import torch  # noqa: E402
 
 from pipeline import checkpoint  # noqa: E402
+from pipeline.cli import EXIT_USAGE, Parser, positive_int  # noqa: E402
 from pipeline.engine import Engine, EngineConfig  # noqa: E402
 from pipeline.errors import ConfigError, KnapSpecError  # noqa: E402
 from pipeline.linear import DTYPE_CHOICES, resolve_compute_mode  # noqa: E402
@@ -35,26 +35,10 @@ from profiling.calibration import DEFAULT_LAYOUT, Calibration, CalibrationKey, C
 
 logger = logging.getLogger("profile")
 
-EXIT_USAGE = 2
 # Contexts at which the table shows the knapsack's integer weights, besides the measured ones.
 EXTRA_WEIGHT_CONTEXTS = (8192,)
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but its errors end in the same one `error:` line as every other failure."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"error: {message} (see --help)\n")
-
-
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {number}")
-    return number
 
 
 def _context_lengths(value: str) -> tuple[int, ...]:
@@ -68,7 +52,7 @@ def _context_lengths(value: str) -> tuple[int, ...]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = _Parser(prog="profile.py", description="Calibrate the KnapSpec latency model on this device.")
+    parser = Parser(prog="profile.py", description="Calibrate the KnapSpec latency model on this device.")
     parser.add_argument(
         "--model", help=f"a local Hugging Face checkpoint folder (default: the embedded {checkpoint.EMBEDDED_MODEL})"
     )
@@ -80,10 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=",".join(map(str, microbench.DEFAULT_CONTEXT_LENGTHS)),
         help="cached tokens at which attention is timed (default: %(default)s)",
     )
-    parser.add_argument("--repeats", type=_positive_int, default=microbench.DEFAULT_REPEATS)
+    parser.add_argument("--repeats", type=positive_int, default=microbench.DEFAULT_REPEATS)
     parser.add_argument(
         "--max-verify",
-        type=_positive_int,
+        type=positive_int,
         default=microbench.DEFAULT_MAX_VERIFY,
         help="verify forwards of 1..K tokens are timed (default: %(default)s)",
     )

@@ -26,11 +26,11 @@ import argparse
 import logging
 import os
 import time
-from typing import NoReturn
+
+from pipeline.cli import EXIT_USAGE, Parser, positive_float, positive_int
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_INPUT = REPO / "data" / "sample.jsonl"
-EXIT_USAGE = 2
 OUTPUT_NAME = "summaries.parquet"
 DEFAULT_STRATEGY = "knapspec-lookup"
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -43,31 +43,7 @@ DATA_TASK_CPUS = 0.1
 logger = logging.getLogger("summarize")
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but its errors end in the same one `error:` line as every other failure."""
 
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"error: {message} (see --help)\n")
-
-
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {number}")
-    return number
-
-
-def _positive_float(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {number}")
-    return number
 
 
 def _id_list(value: str) -> frozenset[str]:
@@ -81,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from pipeline.engine import STRATEGIES
     from pipeline.linear import DTYPE_CHOICES
 
-    parser = _Parser(prog="summarize.py", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="summarize.py", description=__doc__.split("\n\n")[0])
     data = parser.add_argument_group("data")
     data.add_argument(
         "--input",
@@ -97,17 +73,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--reference-column", help="reference summaries for ROUGE (default: reference_summary, when present)"
     )
     data.add_argument("--ids", type=_id_list, help="summarize only these ids (comma-separated)")
-    data.add_argument("--limit", type=_positive_int, help="summarize only the first N input rows")
+    data.add_argument("--limit", type=positive_int, help="summarize only the first N input rows")
     data.add_argument("--resume", action="store_true", help="skip ids already written with status ok, redo the rest")
     data.add_argument("--overwrite", action="store_true", help="replace the rows of an earlier run")
 
     model = parser.add_argument_group("model and decoding")
     model.add_argument("--model", help="a local Hugging Face checkpoint folder on every node (default: the embedded model)")
     model.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=STRATEGIES)
-    model.add_argument("--max-new-tokens", type=_positive_int, default=DEFAULT_MAX_NEW_TOKENS, help="per request")
+    model.add_argument("--max-new-tokens", type=positive_int, default=DEFAULT_MAX_NEW_TOKENS, help="per request")
     model.add_argument(
         "--max-chunk-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_MAX_CHUNK_TOKENS,
         help="prompt budget of one request, template included; longer documents are chunked "
         f"(default {DEFAULT_MAX_CHUNK_TOKENS}, capped by the model's context)",
@@ -125,22 +101,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a Ray cluster to join, or `auto` for the one `ray start` began on this machine "
         "(default: the job's cluster under `ray job submit`, else a new local one)",
     )
-    cluster.add_argument("--replicas", type=_positive_int, default=1, help="model replicas (data parallel)")
+    cluster.add_argument("--replicas", type=positive_int, default=1, help="model replicas (data parallel)")
     cluster.add_argument(
-        "--pipeline-parallel", type=_positive_int, default=1,
+        "--pipeline-parallel", type=positive_int, default=1,
         help="pipeline stages per replica, each a Ray actor holding its share of the layers",
     )
-    cluster.add_argument("--tensor-parallel", type=_positive_int, default=1, help="tensor-parallel ranks per stage")
+    cluster.add_argument("--tensor-parallel", type=positive_int, default=1, help="tensor-parallel ranks per stage")
     cluster.add_argument(
-        "--cpus-per-replica", type=_positive_float, help="Ray CPUs reserved per replica (default: 1, less when "
+        "--cpus-per-replica", type=positive_float, help="Ray CPUs reserved per replica (default: 1, less when "
         "the cluster is smaller; half a CPU stays free for the data stages)"
     )
     cluster.add_argument(
-        "--threads-per-replica", type=_positive_int, help="torch threads per replica (default: this machine's cores "
+        "--threads-per-replica", type=positive_int, help="torch threads per replica (default: this machine's cores "
         "shared among the replicas for a local run, else the reserved CPUs)"
     )
     cluster.add_argument(
-        "--documents-in-flight", type=_positive_int, help="documents summarized at once (default: 2 per replica and stage)"
+        "--documents-in-flight", type=positive_int, help="documents summarized at once (default: 2 per replica and stage)"
     )
     parser.add_argument("--cache-dir", type=Path, help="where the embedded model's safetensors copy lives")
     parser.add_argument("--quiet", action="store_true", help="log warnings only")

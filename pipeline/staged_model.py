@@ -38,7 +38,7 @@ from pipeline.latency_model import LatencyModel
 from pipeline.linear import ComputeMode
 from pipeline.model_spec import ModelSpec
 from pipeline.pipeline_latency import PipelineLatency
-from pipeline.sublayer_model import ForwardOutput, SublayerModel
+from pipeline.sublayer_model import ForwardOutput, SublayerModel, prefill_in_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -386,16 +386,7 @@ class PipelineModel:
 
     @torch.inference_mode()
     def prefill(self, cache: PipelineCache, token_ids: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
-        chunk_size = chunk_size or self.prefill_chunk
-        start = cache.length
-        cache.check_room(start + token_ids.shape[0])
-        last = None
-        for offset in range(0, token_ids.shape[0], chunk_size):
-            chunk = token_ids[offset : offset + chunk_size]
-            is_last = offset + chunk_size >= token_ids.shape[0]
-            last = self.forward(cache, chunk, start + offset, logits="last" if is_last else "none").logits
-        cache.commit(start + token_ids.shape[0])
-        return last[0]
+        return prefill_in_chunks(self, cache, token_ids, chunk_size or self.prefill_chunk)
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.links[0].get(self.links[0].call("embed_tokens", token_ids))

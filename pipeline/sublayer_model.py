@@ -294,17 +294,7 @@ class SublayerModel:
     @torch.inference_mode()
     def prefill(self, cache: KVCache, token_ids: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
         """Fill the cache with a prompt from position `cache.length`; returns the last position's logits [V]."""
-        chunk_size = chunk_size or self.prefill_chunk
-        start = cache.length
-        cache.check_room(start + token_ids.shape[0])
-        last = None
-        for offset in range(0, token_ids.shape[0], chunk_size):
-            chunk = token_ids[offset : offset + chunk_size]
-            is_last = offset + chunk_size >= token_ids.shape[0]
-            out = self.forward(cache, chunk, start + offset, logits="last" if is_last else "none")
-            last = out.logits
-        cache.commit(start + token_ids.shape[0])
-        return last[0]
+        return prefill_in_chunks(self, cache, token_ids, chunk_size or self.prefill_chunk)
 
     # -------------------------------------------------------------- sublayers
 
@@ -380,6 +370,20 @@ class SublayerModel:
         probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
         out = torch.bmm(probs, values)  # [kv_heads, groups * T, head_dim]
         return out.view(s.num_kv_heads, groups, num_tokens, s.head_dim).permute(2, 0, 1, 3).reshape(num_tokens, -1)
+
+
+def prefill_in_chunks(model, cache, token_ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """A prompt through `model.forward` in chunks from `cache.length`, logits of the last position
+    only; then the prompt is committed. Shared by the whole model and the pipelined one."""
+    start = cache.length
+    cache.check_room(start + token_ids.shape[0])
+    last = None
+    for offset in range(0, token_ids.shape[0], chunk_size):
+        chunk = token_ids[offset : offset + chunk_size]
+        is_last = offset + chunk_size >= token_ids.shape[0]
+        last = model.forward(cache, chunk, start + offset, logits="last" if is_last else "none").logits
+    cache.commit(start + token_ids.shape[0])
+    return last[0]
 
 
 def max_context_of(config, spec: ModelSpec) -> int:
