@@ -3,7 +3,6 @@ or as Ray actors — gives the single-process model's logits and tokens for ever
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -106,17 +105,18 @@ def test_a_stage_whose_items_are_all_skipped_is_bypassed(six_layers):
     assert pipeline.hops - hops == 3
 
 
+@pytest.fixture(scope="class")
+def ray_cluster():
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False)  # on 127.0.0.1: see conftest
+    yield
+    ray.shutdown()
+
+
 @pytest.mark.ray
+@pytest.mark.usefixtures("ray_cluster")
 class TestRayStages:
-    @pytest.fixture(scope="class", autouse=True)
-    def ray_cluster(self):
-        import ray
-
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        ray.init(address="local", num_cpus=4, include_dashboard=False)
-        yield
-        ray.shutdown()
-
     @pytest.mark.parametrize("num_stages", [2, 3])
     def test_greedy_tokens_through_shard_actors(self, six_layers, num_stages):
         import ray
