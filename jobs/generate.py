@@ -27,7 +27,7 @@ import os
 import torch
 
 from pipeline import checkpoint
-from pipeline.cli import EXIT_USAGE, Parser, positive_int
+from pipeline.cli import Parser, positive_int, usage_error
 from pipeline.drafters import DEFAULT_MAX_DRAFT
 from pipeline.engine import SEARCHING_STRATEGIES, STRATEGIES, Engine, EngineConfig, StrategyConfig
 from pipeline.errors import ConfigError, KnapSpecError, RowError
@@ -337,10 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         record = run(args)
     except (KnapSpecError, OSError, ValueError) as e:
-        # Input and configuration problems: the message says what to fix, a traceback adds nothing.
-        message = " ".join(str(e).split()) or type(e).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return EXIT_USAGE
+        return usage_error(e)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

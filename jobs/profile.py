@@ -26,7 +26,7 @@ import logging  # noqa: E402
 import torch  # noqa: E402
 
 from pipeline import checkpoint  # noqa: E402
-from pipeline.cli import EXIT_USAGE, Parser, positive_int  # noqa: E402
+from pipeline.cli import Parser, positive_int, usage_error  # noqa: E402
 from pipeline.engine import Engine, EngineConfig  # noqa: E402
 from pipeline.errors import ConfigError, KnapSpecError  # noqa: E402
 from pipeline.linear import DTYPE_CHOICES, resolve_compute_mode  # noqa: E402
@@ -177,10 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         calibration = run(args)
     except (KnapSpecError, OSError, ValueError) as e:
-        # Configuration problems: the message says what to fix, a traceback adds nothing.
-        message = " ".join(str(e).split()) or type(e).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return EXIT_USAGE
+        return usage_error(e)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

@@ -27,7 +27,7 @@ import logging
 import os
 import time
 
-from pipeline.cli import EXIT_USAGE, Parser, positive_float, positive_int
+from pipeline.cli import Parser, positive_float, positive_int, usage_error
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_INPUT = REPO / "data" / "sample.jsonl"
@@ -278,10 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except (KnapSpecError, OSError) as e:
-        # Input and configuration problems: the message says what to fix, a traceback adds nothing.
-        message = " ".join(str(e).split()) or type(e).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return EXIT_USAGE
+        return usage_error(e)
     except KeyboardInterrupt:
         print("error: interrupted; rerun with --resume to continue", file=sys.stderr)
         return 130

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import NoReturn
 
 EXIT_USAGE = 2
@@ -33,3 +34,11 @@ def positive_float(value: str) -> float:
     if number <= 0:
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {number}")
     return number
+
+
+def usage_error(error: BaseException) -> int:
+    """Print an input or configuration problem as one `error:` line; the exit code to return.
+    Its message says what to fix: a traceback would add nothing."""
+    message = " ".join(str(error).split()) or type(error).__name__
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_USAGE
