@@ -38,7 +38,7 @@ from pipeline.latency_model import LatencyModel
 from pipeline.linear import ComputeMode
 from pipeline.model_spec import ModelSpec
 from pipeline.pipeline_latency import PipelineLatency
-from pipeline.sublayer_model import ForwardOutput, SublayerModel, prefill_in_chunks
+from pipeline.sublayer_model import ForwardOutput, SublayerModel, check_context, prefill_in_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -326,11 +326,7 @@ class PipelineModel:
         return cls([LocalLink(s) for s in stages], layouts, spec, last.max_context, last.prefill_chunk, device)
 
     def new_cache(self, capacity: int) -> PipelineCache:
-        if capacity > self.max_context:
-            raise ConfigError(
-                f"a context of {capacity} tokens exceeds this model's limit of {self.max_context}; "
-                "lower --max-context or --max-new-tokens"
-            )
+        check_context(capacity, self.max_context)
         cache = PipelineCache(self, capacity)
         for link in self.links:
             link.call("new_cache", cache.request_id, capacity)

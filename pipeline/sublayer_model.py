@@ -140,11 +140,7 @@ class SublayerModel:
     # ------------------------------------------------------------------ caches
 
     def new_cache(self, capacity: int) -> KVCache:
-        if capacity > self.max_context:
-            raise ConfigError(
-                f"a context of {capacity} tokens exceeds this model's limit of {self.max_context}; "
-                "lower --max-context or --max-new-tokens"
-            )
+        check_context(capacity, self.max_context)
         s = self.spec
         return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, capacity, self.dtype, self.device)
 
@@ -370,6 +366,14 @@ class SublayerModel:
         probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
         out = torch.bmm(probs, values)  # [kv_heads, groups * T, head_dim]
         return out.view(s.num_kv_heads, groups, num_tokens, s.head_dim).permute(2, 0, 1, 3).reshape(num_tokens, -1)
+
+
+def check_context(capacity: int, max_context: int) -> None:
+    if capacity > max_context:
+        raise ConfigError(
+            f"a context of {capacity} tokens exceeds this model's limit of {max_context}; "
+            "lower --max-context or --max-new-tokens"
+        )
 
 
 def prefill_in_chunks(model, cache, token_ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
