@@ -32,14 +32,14 @@ class ShardActor:
     """One pipeline stage in one worker process (wrapped by `ray.remote` in start_pipeline)."""
 
     def __init__(
-        self, path: str, layout: StageLayout, mode: str, device: str, num_threads: int | None, slowdown: int = 1
+        self, path: str, layout: StageLayout, mode: str, device: str, num_threads: int | None, sublayer_delay_s: float = 0.0
     ) -> None:
         import torch
 
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         started = time.perf_counter()
-        self.stage = StageModel(Path(path), layout, ComputeMode(mode), device, slowdown)
+        self.stage = StageModel(Path(path), layout, ComputeMode(mode), device, sublayer_delay_s)
         self.load_s = time.perf_counter() - started
 
     def info(self) -> dict:
@@ -92,10 +92,10 @@ def start_pipeline(
     num_cpus: float = 1.0,
     num_threads: int | None = None,
     start_timeout_s: float = 600.0,
-    slowdowns: Sequence[int] | None = None,
+    delays: Sequence[float] | None = None,
 ) -> tuple[PipelineModel, list]:
     """Start one ShardActor per stage and return the pipeline over them, with the handles.
-    `slowdowns` (tests) makes stage k's device that many times slower."""
+    `delays` (tests) makes stage k's device slower: see StageModel's `sublayer_delay_s`."""
     from pipeline import checkpoint
 
     config = checkpoint.load_config(path)
@@ -106,9 +106,9 @@ def start_pipeline(
     actor = ray.remote(_actor_class()).options(
         num_cpus=num_cpus, num_gpus=1 if device == "cuda" else 0, max_restarts=MAX_RESTARTS
     )
-    slowdowns = slowdowns or [1] * num_stages
+    delays = delays or [0.0] * num_stages
     handles = [
-        actor.remote(str(path), layout, mode.value, device, num_threads, slow) for layout, slow in zip(layouts, slowdowns)
+        actor.remote(str(path), layout, mode.value, device, num_threads, delay) for layout, delay in zip(layouts, delays)
     ]
     ready, pending = ray.wait([h.info.remote() for h in handles], num_returns=len(handles), timeout=start_timeout_s)
     if pending:

@@ -24,6 +24,7 @@ import copy
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,10 +108,12 @@ class StageModel:
         layout: StageLayout,
         mode: ComputeMode,
         device: torch.device | str = "cpu",
-        slowdown: int = 1,
+        sublayer_delay_s: float = 0.0,
     ) -> None:
-        """`slowdown` > 1 runs every sublayer that many times: a slower device, for tests of
-        heterogeneous pipelines (the profiler measures it like any other device)."""
+        """`sublayer_delay_s` > 0 makes every attention and MLP call wait that long: a slower
+        device, for tests of heterogeneous pipelines (the profiler measures it like any other
+        device). A wait, not repeated work: it holds on a busy machine, where extra compute
+        would be lost in the noise."""
         config = checkpoint.load_config(path)
         spec = ModelSpec.from_hf_config(config)
         if layout.end_layer > spec.num_layers:
@@ -122,9 +125,9 @@ class StageModel:
         self.local = SublayerModel.from_tensors(*_local_view(config, spec, layout, tensors), mode, device)
         self.caches: dict[str, KVCache] = {}
         self.model_name = path.name
-        self.slowdown = slowdown
-        if slowdown > 1:
-            _slow_down(self.local, slowdown)
+        self.sublayer_delay_s = sublayer_delay_s
+        if sublayer_delay_s > 0:
+            _slow_down(self.local, sublayer_delay_s)
 
     def calibrate(self, store_dir: Path | None = None, measure_kwargs: dict | None = None) -> LatencyModel:
         """This stage's latency table, measured on its own device (cached in that node's
@@ -132,7 +135,9 @@ class StageModel:
         from profiling.calibration import CalibrationKey, CalibrationStore, device_name
 
         layout = self.layout
-        name = f"pp{layout.num_stages}-stage{layout.index}" + (f"-slow{self.slowdown}" if self.slowdown > 1 else "")
+        name = f"pp{layout.num_stages}-stage{layout.index}" + (
+            f"-delay{self.sublayer_delay_s * 1e6:.0f}us" if self.sublayer_delay_s > 0 else ""
+        )
         key = CalibrationKey(
             device=device_name(self.local.device), model=self.model_name, dtype=self.local.mode.value, layout=name
         )
@@ -207,17 +212,15 @@ def _local_view(config, spec: ModelSpec, layout: StageLayout, tensors: dict[str,
     return local_config, local
 
 
-def _slow_down(model: SublayerModel, times: int) -> None:
+def _slow_down(model: SublayerModel, delay_s: float) -> None:
     attention, mlp = model._attention, model._mlp
 
     def slow_attention(*args):
-        for _ in range(times - 1):
-            attention(*args)
+        time.sleep(delay_s)
         return attention(*args)
 
     def slow_mlp(*args):
-        for _ in range(times - 1):
-            mlp(*args)
+        time.sleep(delay_s)
         return mlp(*args)
 
     model._attention, model._mlp = slow_attention, slow_mlp
@@ -313,15 +316,16 @@ class PipelineModel:
 
     @classmethod
     def local(
-        cls, path: Path, num_stages: int, mode: ComputeMode, device: str = "cpu", slowdowns: Sequence[int] | None = None
+        cls, path: Path, num_stages: int, mode: ComputeMode, device: str = "cpu", delays: Sequence[float] | None = None
     ) -> PipelineModel:
-        """All stages in this process (tests; a machine without Ray). `slowdowns`: see StageModel."""
+        """All stages in this process (tests; a machine without Ray). `delays`: per stage, see
+        StageModel's `sublayer_delay_s`."""
         spec = ModelSpec.from_hf_config(checkpoint.load_config(path))
         layouts = [
             StageLayout(i, num_stages, first, end) for i, (first, end) in enumerate(partition_layers(spec.num_layers, num_stages))
         ]
-        slowdowns = slowdowns or [1] * num_stages
-        stages = [StageModel(path, layout, mode, device, slow) for layout, slow in zip(layouts, slowdowns)]
+        delays = delays or [0.0] * num_stages
+        stages = [StageModel(path, layout, mode, device, delay) for layout, delay in zip(layouts, delays)]
         last = stages[-1].local
         return cls([LocalLink(s) for s in stages], layouts, spec, last.max_context, last.prefill_chunk, device)
 
