@@ -66,7 +66,8 @@ class RayLink:
 
 
 _STAGE_METHODS = (
-    "forward", "new_cache", "free", "copy_cache", "embed_tokens", "logits", "run_item_branches", "calibrate", "echo",
+    "forward", "new_cache", "free", "copy_cache", "embed_tokens", "logits",
+    "run_item_branches", "knapsack_rows", "calibrate", "echo",
 )
 
 

@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 
 from pipeline.drafters import DraftRequest
-from pipeline.knapsack import KnapsackProblem, default_always_execute, run_dp
+from pipeline.knapsack import KnapsackProblem, branch_runner, default_always_execute
 from pipeline.knapspec import KnapSpecConfig, KnapSpecDrafter, ReplanningDrafter
 from pipeline.latency_model import LatencyModel
 from pipeline.sublayer_model import SublayerModel
@@ -52,7 +52,7 @@ class ClaspDrafter(KnapSpecDrafter):
             always_execute=frozenset({0, num_layers - 1}),
             max_branches=self.config.max_branches,
         )
-        frontier = run_dp(model.embed_tokens(ref_ids), problem, _layer_runner(model, cache, prefix))
+        frontier = model.run_knapsack(cache, ref_ids, problem, prefix, layer_rows=True)
         top1 = _top1(model, frontier.hidden)
         full = top1[frontier.weights.index(0)]
         # The deepest budget the DP reached: CLaSp skips as many layers as it is told to.
@@ -117,7 +117,7 @@ class EarlyExitDrafter(KnapSpecDrafter):
         exits = sorted({min(num_layers - 1, max(1, round(f * num_layers))) for f in self.depths})
         h = model.embed_tokens(ref_ids)[None]
         hidden_at_exit = {}
-        run_layer = _layer_runner(model, cache, prefix)
+        run_layer = branch_runner(lambda item, h: model.run_item_branches(item, h, cache, prefix), layer_rows=True)
         for layer in range(num_layers):
             h = run_layer(layer, h)
             if layer + 1 in exits:
@@ -143,14 +143,6 @@ def evaluate_skip_sets(
         executed = model.run_item_branches(item, h, cache, prefix)
         h = torch.where(skipped[:, None, None], h, executed)
     return _top1(model, h)
-
-
-def _layer_runner(model: SublayerModel, cache, prefix: int):
-    def run_layer(layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = model.run_item_branches(2 * layer, hidden, cache, prefix)
-        return model.run_item_branches(2 * layer + 1, hidden, cache, prefix)
-
-    return run_layer
 
 
 def _top1(model: SublayerModel, hidden: torch.Tensor) -> torch.Tensor:

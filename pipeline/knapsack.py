@@ -13,7 +13,10 @@ The full model itself is the cell j = 0 (it never skips), so its hidden states a
 every depth come out of the same pass and need no separate forward.
 
 The DP is a sequence of `advance` steps over a `Frontier`, so a pipeline stage can
-run its own items on a frontier received from the previous stage.
+run its own items on a frontier received from the previous stage. On a pipeline a draft
+that skips every item of a middle stage also saves the hop into it (the stage is
+bypassed): `KnapsackProblem.bypass` adds that saving to a cell's weight when the cell
+skips the stage's last item, having skipped all the others.
 """
 
 from __future__ import annotations
@@ -38,10 +41,15 @@ class KnapsackProblem:
     threshold: float = DEFAULT_THRESHOLD  # τ: cells with a lower mean cosine are dropped
     always_execute: frozenset[int] = frozenset()  # items never skipped (first and last layer)
     max_branches: int | None = None  # live cells kept per row (the best-scoring); None keeps all
+    # (first item, end item, weight): skipping all of items [first, end) also saves `weight`.
+    bypass: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if any(w < 1 for w in self.weights):
             raise ConfigError(f"item weights must be positive integers, got {self.weights}")
+        for first, end, weight in self.bypass:
+            if not 0 <= first < end <= len(self.weights) or weight < 0:
+                raise ConfigError(f"bypass group ({first}, {end}, {weight}) does not fit {len(self.weights)} items")
         if self.budget < 0:
             raise ConfigError(f"budget must be >= 0, got {self.budget}")
         if self.max_branches is not None and self.max_branches < 1:
@@ -109,10 +117,13 @@ def advance(frontier: Frontier, item: int, problem: KnapsackProblem, run_item: R
     if item not in problem.always_execute:
         skip_scores = mean_cosine(frontier.hidden, reference).tolist()
         w = problem.weights[item]
+        closing = [(range(first, end), bonus) for first, end, bonus in problem.bypass if end - 1 == item]
         for b in range(num_live):
             weight = frontier.weights[b] + w
             if weight <= problem.budget:
-                offer(weight, skip_scores[b], num_live + b, frontier.skips[b] | {item})
+                skip = frontier.skips[b] | {item}
+                weight += sum(bonus for rows, bonus in closing if all(i in skip for i in rows))
+                offer(weight, skip_scores[b], num_live + b, skip)
 
     kept = sorted(best.items(), key=lambda kv: (kv[0] != 0, -kv[1][0]))  # the full model first, then by score
     if problem.max_branches is not None:
@@ -141,6 +152,18 @@ def run_dp(
     for item in items if items is not None else range(frontier.next_item, problem.num_items):
         frontier = advance(frontier, item, problem, run_item)
     return frontier
+
+
+def branch_runner(run_item_branches: RunItem, layer_rows: bool = False) -> RunItem:
+    """The DP's rows from a model's sublayer items: each row one item, or (`layer_rows`) one
+    layer, whose attention and MLP items are executed or skipped together."""
+    if not layer_rows:
+        return run_item_branches
+
+    def run_layer(layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        return run_item_branches(2 * layer + 1, run_item_branches(2 * layer, hidden))
+
+    return run_layer
 
 
 def default_always_execute(num_layers: int) -> frozenset[int]:

@@ -18,7 +18,7 @@ import torch
 
 from pipeline.drafters import DEFAULT_CONFIDENCE_THRESHOLD, Draft, DraftRequest, LayerSkipDrafter
 from pipeline.errors import ConfigError
-from pipeline.knapsack import DEFAULT_THRESHOLD, KnapsackProblem, default_always_execute, run_dp
+from pipeline.knapsack import DEFAULT_THRESHOLD, KnapsackProblem, default_always_execute
 from pipeline.latency_model import LatencyModel
 from pipeline.sublayer_model import SublayerModel
 from pipeline.tpt import (
@@ -203,7 +203,8 @@ class KnapSpecDrafter(ReplanningDrafter):
             # Not even a perfect draft at the cheapest cost the budget allows would win: skip the DP.
             return choose_plan([], t_verify, config.max_draft, config.margin)
         ref_ids, prefix = self.reference(request)
-        candidates = search_candidates(request.model, request.cache, ref_ids, prefix, weights, config)
+        bypass = tuple(self.latency.bypass_weights(context, config.weight_cap))
+        candidates = search_candidates(request.model, request.cache, ref_ids, prefix, weights, config, bypass)
         scored = [self.score(skip, top1, candidates[0][1], context) for skip, top1 in candidates]
         return choose_plan(scored, t_verify, config.max_draft, config.margin)
 
@@ -249,43 +250,31 @@ def search_candidates(
     prefix: int,
     weights: tuple[int, ...],
     config: KnapSpecConfig,
+    bypass: tuple[tuple[int, int, int], ...] = (),
 ) -> list[tuple[frozenset[int], torch.Tensor]]:
     """Run the DP on reference tokens at [prefix, prefix + r); returns (skip set, top-1
-    tokens [r]) per candidate, the full model (empty skip) first."""
+    tokens [r]) per candidate, the full model (empty skip) first. `bypass`: on a pipeline,
+    (first item, end item, weight) of each stage a draft can bypass, and the hop it saves."""
     num_layers = model.spec.num_layers
-    always = default_always_execute(num_layers)
-
     if config.coupled:
         # Layer-granular items: attention and MLP of a layer skipped together.
-        layer_weights = tuple(weights[2 * i] + weights[2 * i + 1] for i in range(num_layers))
-        problem = KnapsackProblem(
-            weights=layer_weights,
-            budget=sum(layer_weights) // 2,
-            threshold=config.threshold,
-            always_execute=frozenset({0, num_layers - 1}),
-            max_branches=config.max_branches,
-        )
-
-        def run_layer(layer: int, hidden: torch.Tensor) -> torch.Tensor:
-            hidden = model.run_item_branches(2 * layer, hidden, cache, prefix)
-            return model.run_item_branches(2 * layer + 1, hidden, cache, prefix)
-
-        frontier = run_dp(model.embed_tokens(ref_ids), problem, run_layer)
-        skips = [frozenset(j for i in skip for j in (2 * i, 2 * i + 1)) for skip in frontier.skips]
+        weights = tuple(weights[2 * i] + weights[2 * i + 1] for i in range(num_layers))
+        bypass = tuple((first // 2, end // 2, w) for first, end, w in bypass)
+        always = frozenset({0, num_layers - 1})
     else:
-        problem = KnapsackProblem(
-            weights=weights,
-            budget=sum(weights) // 2,
-            threshold=config.threshold,
-            always_execute=always,
-            max_branches=config.max_branches,
-        )
-        frontier = run_dp(
-            model.embed_tokens(ref_ids),
-            problem,
-            lambda item, hidden: model.run_item_branches(item, hidden, cache, prefix),
-        )
-        skips = frontier.skips
+        always = default_always_execute(num_layers)
+    problem = KnapsackProblem(
+        weights=weights,
+        budget=sum(weights) // 2,
+        threshold=config.threshold,
+        always_execute=always,
+        max_branches=config.max_branches,
+        bypass=bypass,
+    )
+    frontier = model.run_knapsack(cache, ref_ids, problem, prefix, layer_rows=config.coupled)
+    skips = frontier.skips
+    if config.coupled:
+        skips = [frozenset(j for i in skip for j in (2 * i, 2 * i + 1)) for skip in skips]
     num_branches, num_tokens, d = frontier.hidden.shape
     top1 = model.logits(frontier.hidden.reshape(-1, d)).argmax(-1).view(num_branches, num_tokens)
     order = sorted(range(num_branches), key=lambda b: frontier.weights[b])

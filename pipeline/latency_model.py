@@ -110,6 +110,10 @@ class LatencyModel:
         w_attn, w_mlp = (_weight(t, delta, cap) for t in (t_attn, self.t_mlp))
         return [w_mlp if item % 2 else w_attn for item in range(self.num_items)]
 
+    def bypass_weights(self, n: int, cap: int = DEFAULT_WEIGHT_CAP) -> list[tuple[int, int, int]]:
+        """Stages a draft can bypass, for the knapsack: none in one model (see PipelineLatency)."""
+        return []
+
     # ------------------------------------------------------------------ JSON
 
     def to_dict(self) -> dict:

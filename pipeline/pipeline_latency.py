@@ -69,8 +69,24 @@ class PipelineLatency:
         fastest stage, so an item on a stage twice as slow weighs about twice as much."""
         if cap < 1:
             raise ValueError(f"weight cap must be >= 1, got {cap}")
-        delta = min(min(stage.t_attn(n), stage.t_mlp) for stage in self.stages)
+        delta = self._unit(n)
         return [_weight(self.t_item(item, n), delta, cap) for item in range(self.num_items)]
+
+    def bypass_weights(self, n: int, cap: int = DEFAULT_WEIGHT_CAP) -> list[tuple[int, int, int]]:
+        """(first item, end item, weight) of each middle stage: a draft that skips all its items
+        also saves the hop into it, on the items' scale (see KnapsackProblem.bypass)."""
+        if self.t_hop <= 0 or len(self.stages) < 3:
+            return []
+        weight = _weight(self.t_hop, self._unit(n), cap)
+        groups, offset = [], self.stages[0].num_items
+        for stage in self.stages[1:-1]:
+            groups.append((offset, offset + stage.num_items, weight))
+            offset += stage.num_items
+        return groups
+
+    def _unit(self, n: int) -> float:
+        """Δ: the cheapest item kind on the fastest stage."""
+        return min(min(stage.t_attn(n), stage.t_mlp) for stage in self.stages)
 
     def stages_run(self, skip: Collection[int]) -> list[bool]:
         """Which stages a draft with `skip` runs: the first and last always (embeddings, head)."""

@@ -34,6 +34,7 @@ import torch
 
 from pipeline import checkpoint
 from pipeline.errors import ConfigError
+from pipeline.knapsack import Frontier, KnapsackProblem, advance, branch_runner
 from pipeline.kv_cache import KVCache
 from pipeline.latency_model import LatencyModel
 from pipeline.linear import ComputeMode
@@ -187,6 +188,27 @@ class StageModel:
         return self.local.run_item_branches(
             item - 2 * self.layout.first_layer, h, self.caches[request_id], prefix_len
         )
+
+    @torch.inference_mode()
+    def knapsack_rows(
+        self,
+        request_id: str,
+        frontier: Frontier | torch.Tensor,
+        problem: KnapsackProblem,
+        prefix_len: int,
+        layer_rows: bool = False,
+    ) -> Frontier:
+        """This stage's rows of the knapsack DP: the frontier from the previous stage in (stage 0:
+        the reference tokens' ids), the frontier after this stage's last row out."""
+        layout, cache = self.layout, self.caches[request_id]
+        if layout.has_embeddings:
+            frontier = Frontier.start(self.local.embed_tokens(frontier))
+        per_layer = 1 if layer_rows else 2
+        first = per_layer * layout.first_layer
+        run_local = branch_runner(lambda item, h: self.local.run_item_branches(item, h, cache, prefix_len), layer_rows)
+        for row in range(first, per_layer * layout.end_layer):
+            frontier = advance(frontier, row, problem, lambda row, h: run_local(row - first, h))
+        return frontier
 
 
 def _local_view(config, spec: ModelSpec, layout: StageLayout, tensors: dict[str, torch.Tensor]):
@@ -408,6 +430,17 @@ class PipelineModel:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.links[-1].get(self.links[-1].call("logits", h))
+
+    def run_knapsack(
+        self, cache: PipelineCache, token_ids: torch.Tensor, problem: KnapsackProblem, prefix_len: int, layer_rows: bool = False
+    ) -> Frontier:
+        """The DP across the stages: each runs its own rows on the frontier the previous stage
+        hands it (stage to stage, not through here); only the last row's frontier comes back."""
+        x: Any = token_ids
+        for link in self.links:
+            x = link.call("knapsack_rows", cache.request_id, x, problem, prefix_len, layer_rows)
+        self.hops += len(self.links) - 1
+        return self.links[-1].get(x)
 
     def run_item_branches(self, item: int, h: torch.Tensor, cache: PipelineCache, prefix_len: int) -> torch.Tensor:
         k = self._stage_of_item(item)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.errors import ConfigError
+from pipeline.knapsack import Frontier, KnapsackProblem, branch_runner, run_dp
 from pipeline.kv_cache import KVCache
 from pipeline.linear import ComputeMode, Linear
 from pipeline.model_spec import ModelSpec, sliding_window_of
@@ -282,6 +283,15 @@ class SublayerModel:
         # -> [B, r, heads * head_dim] with heads ordered (kv_head, group)
         out = out.permute(1, 3, 0, 2, 4).reshape(num_branches * num_tokens, s.num_heads * s.head_dim)
         return (flat + layer.o(out)).view_as(h)
+
+    @torch.inference_mode()
+    def run_knapsack(
+        self, cache: KVCache, token_ids: torch.Tensor, problem: KnapsackProblem, prefix_len: int, layer_rows: bool = False
+    ) -> Frontier:
+        """The knapsack DP on reference tokens [r] at positions [prefix_len, prefix_len + r) (the
+        cache is only read); rows are items, or layers when `layer_rows`. Returns the last row."""
+        run = branch_runner(lambda item, h: self.run_item_branches(item, h, cache, prefix_len), layer_rows)
+        return run_dp(self.embed_tokens(token_ids), problem, run)
 
     @property
     def prefill_chunk(self) -> int:

@@ -95,6 +95,24 @@ def test_branch_cap_keeps_the_full_model_and_the_best_cells():
     assert 0 in frontier.weights
 
 
+def test_skipping_a_whole_bypass_group_saves_its_hop_too():
+    """Items 1..3 form a middle pipeline stage whose bypass saves weight 5: the cell that skips
+    all three is labelled with their weights plus the hop's, and only that cell."""
+    start, run_item, _ = orthogonal_items([1.0, 0.01, 0.01, 0.01, 1.0, 1.0])
+    problem = KnapsackProblem(weights=(1,) * 6, budget=3, threshold=-1, bypass=((1, 4, 5),))
+    candidates = run_dp(start, problem, run_item).candidates()
+    for c in candidates:
+        bonus = 5 if {1, 2, 3} <= c.skip else 0
+        assert c.skipped_weight == sum(problem.weights[i] for i in c.skip) + bonus
+    bypassed = [c for c in candidates if c.skip == frozenset({1, 2, 3})]
+    assert [c.skipped_weight for c in bypassed] == [8]
+    # Without the group, the same skip set is an ordinary weight-3 candidate.
+    plain = run_dp(start, KnapsackProblem(weights=(1,) * 6, budget=3, threshold=-1), run_item).candidates()
+    assert any(c.skip == frozenset({1, 2, 3}) and c.skipped_weight == 3 for c in plain)
+    with pytest.raises(ConfigError):
+        KnapsackProblem(weights=(1,) * 6, budget=3, bypass=((4, 7, 1),))
+
+
 def test_frontier_can_be_split_across_stages():
     start, run_item, _ = orthogonal_items([1.0, 0.5, 0.7, 0.2, 0.9, 0.4])
     problem = KnapsackProblem(weights=(1, 2, 1, 2, 1, 2), budget=4, threshold=-1)

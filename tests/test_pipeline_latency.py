@@ -58,3 +58,15 @@ def test_items_map_to_their_stage():
     assert piped.num_items == 8 and piped.stage_of(5) == (0, 5) and piped.stage_of(6) == (1, 0)
     with pytest.raises(ValueError):
         piped.stage_of(8)
+
+
+def test_middle_stages_are_bypass_groups_weighing_their_hop():
+    stages = [stage(2), stage(3), stage(2), stage(2)]
+    # Δ = 0.7 ms (attention at n = 1000 on every stage): a 2.1 ms hop weighs 3.
+    piped = PipelineLatency.of(stages, t_hop=2.1 * MS)
+    assert piped.bypass_weights(1000) == [(4, 10, 3), (10, 14, 3)]
+    assert piped.bypass_weights(1000, cap=2) == [(4, 10, 2), (10, 14, 2)]
+    # No middle stage, or free hops: nothing to add.
+    assert PipelineLatency.of(stages[:2], t_hop=2.1 * MS).bypass_weights(1000) == []
+    assert PipelineLatency.of(stages, t_hop=0.0).bypass_weights(1000) == []
+    assert stages[0].bypass_weights(1000) == []

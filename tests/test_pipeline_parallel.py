@@ -14,6 +14,7 @@ from pipeline import checkpoint
 from pipeline.decoding import DecodeConfig, decode, prefill
 from pipeline.drafters import LayerSkipDrafter, NoDraft
 from pipeline.errors import ConfigError
+from pipeline.knapsack import KnapsackProblem
 from pipeline.knapspec import KnapSpecDrafter
 from pipeline.linear import ComputeMode
 from pipeline.sampling import SamplingParams
@@ -75,6 +76,38 @@ def test_pipeline_forward_matches_the_whole_model(six_layers, num_stages):
         )
 
 
+def knapsack_problem(layer_rows: bool, num_layers: int = 6) -> KnapsackProblem:
+    num_rows = num_layers if layer_rows else 2 * num_layers
+    return KnapsackProblem(weights=(1, 2) * (num_rows // 2), budget=num_rows, threshold=-1.0, max_branches=5)
+
+
+def assert_same_frontier(got, expected):
+    assert (got.weights, got.skips, got.next_item) == (expected.weights, expected.skips, expected.next_item)
+    torch.testing.assert_close(torch.tensor(got.scores), torch.tensor(expected.scores), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.hidden, expected.hidden, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+@pytest.mark.parametrize("layer_rows", [False, True])
+def test_the_dp_runs_on_each_stage_on_a_frontier_passed_along(six_layers, num_stages, layer_rows, monkeypatch):
+    """Each stage runs its own rows on the frontier the previous one hands it, one call per
+    stage, and the result is the whole model's DP."""
+    _, whole = load_tiny(six_layers)
+    pipeline = PipelineModel.local(six_layers, num_stages, ComputeMode.FP32)
+    ids = prompt(4, 56)
+    cache, pcache = whole.new_cache(64), pipeline.new_cache(64)
+    whole.prefill(cache, ids[:48])
+    pipeline.prefill(pcache, ids[:48])
+    calls = []
+    for link in pipeline.links:
+        monkeypatch.setattr(link, "call", lambda method, *a, _call=link.call, **k: calls.append(method) or _call(method, *a, **k))
+
+    problem = knapsack_problem(layer_rows)
+    got = pipeline.run_knapsack(pcache, ids[48:], problem, 48, layer_rows)
+    assert calls == ["knapsack_rows"] * num_stages
+    assert_same_frontier(got, whole.run_knapsack(cache, ids[48:], problem, 48, layer_rows))
+
+
 @pytest.mark.parametrize("num_stages", [2, 3])
 @pytest.mark.parametrize("strategy", ["ar", "static", "knapspec"])
 def test_greedy_tokens_equal_the_single_process_engine(six_layers, num_stages, strategy):
@@ -133,6 +166,14 @@ class TestRayStages:
                 )
                 ids = prompt(3)
                 assert generate(pipeline, ids, drafter) == generate(whole, ids, NoDraft()), strategy
+            # The DP through the actors: frontiers go from stage to stage as object refs.
+            cache, pcache = whole.new_cache(64), pipeline.new_cache(64)
+            whole.prefill(cache, ids[:40])
+            pipeline.prefill(pcache, ids[:40])
+            problem = knapsack_problem(layer_rows=False)
+            assert_same_frontier(
+                pipeline.run_knapsack(pcache, ids[40:48], problem, 40), whole.run_knapsack(cache, ids[40:48], problem, 40)
+            )
             infos = ray.get([h.info.remote() for h in handles])
             assert [i["layers"] for i in infos] == [tuple(r) for r in partition_layers(6, num_stages)]
         finally:
