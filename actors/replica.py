@@ -14,7 +14,10 @@ import time
 from dataclasses import dataclass, replace
 
 import ray
+from ray.util.placement_group import remove_placement_group
 
+from actors.profiler import start_profilers
+from actors.shard import reserve, stage_bundles
 from pipeline.engine import Engine, EngineConfig, StrategyConfig
 from pipeline.errors import ConfigError
 from pipeline.sampling import SamplingParams
@@ -89,7 +92,12 @@ class PipelineReplica(EngineReplica):
         num_stages: int,
         stage_cpus: float,
         num_threads: int | None = None,
+        group=None,
     ) -> None:
+        """`group`: a placement group with a bundle per stage (actors.shard.stage_bundles),
+        reserved and removed by the caller, so it outlives this actor's restarts and dies with
+        the pool; without one the stages reserve their own, removed by `shutdown`."""
+        from actors.profiler import calibrate_pipeline
         from actors.shard import start_pipeline
         from pipeline import checkpoint
         from pipeline.engine import SEARCHING_STRATEGIES
@@ -101,13 +109,17 @@ class PipelineReplica(EngineReplica):
         started = time.perf_counter()
         path = checkpoint.resolve_checkpoint(engine_config.model, engine_config.cache_dir)
         mode = resolve_compute_mode(engine_config.dtype, engine_config.device)
-        self.pipeline, self.stages = start_pipeline(
-            path, num_stages, mode, engine_config.device, num_cpus=stage_cpus, num_threads=num_threads
+        self.ray_pipeline = start_pipeline(
+            path, num_stages, mode, engine_config.device, num_cpus=stage_cpus, num_threads=num_threads, group=group
         )
+        self.pipeline, self.stages = self.ray_pipeline.model, self.ray_pipeline.handles
         if strategy.name in SEARCHING_STRATEGIES and engine_config.latency is None:
-            # Each stage timed on its own device, plus the hop: the knapsack weighs a slow
-            # stage's items heavier and knows that a skipped middle stage saves its hop.
-            engine_config = replace(engine_config, latency=self.pipeline.calibrate(engine_config.calibration_dir))
+            # Each stage weighed by its own node's device table, plus the hop: the knapsack
+            # skips a slow stage's items first and knows that a skipped middle stage saves its hop.
+            latency = calibrate_pipeline(
+                self.ray_pipeline, path, mode, engine_config.device, engine_config.calibration_dir, num_threads
+            )
+            engine_config = replace(engine_config, latency=latency)
         self.engine = Engine(engine_config, model=self.pipeline)
         self.strategy = strategy
         self.load_s = time.perf_counter() - started
@@ -140,6 +152,10 @@ class PipelineReplica(EngineReplica):
 
     def stage_handles(self) -> list:
         return list(self.stages)
+
+    def shutdown(self) -> None:
+        """Stop the stages (and their placement group, if they reserved it)."""
+        self.ray_pipeline.shutdown()
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams) -> dict:
         for attempt in range(self.RETRIES + 1):
@@ -180,6 +196,8 @@ class ReplicaPool:
             raise ConfigError(f"need at least one replica, got {count}")
         num_cpus = _cpus_per_replica(count, resources)
         stages = resources.pipeline_parallel
+        self.groups: list = []
+        self.profilers: dict = {}
         if stages == 1:
             actor = ray.remote(EngineReplica).options(
                 num_cpus=num_cpus,
@@ -198,9 +216,18 @@ class ReplicaPool:
                 max_task_retries=MAX_TASK_RETRIES,
                 max_concurrency=resources.requests_in_flight,
             )
+            # Each replica's stages in a placement group of the pool's: it outlives a coordinator's
+            # restart, and the pool removes it (a group reserved by an actor would outlive it).
+            # One profiler per node, owned here so that it lives as long as the pool: replicas find
+            # them by name, and a node's table is measured once for all of them.
+            self.profilers = start_profilers()
+            bundles = stage_bundles(stages, num_cpus / stages, engine_config.device)
+            self.groups = [
+                reserve(bundles, "PACK", start_timeout_s, f"replica {i} ({stages} pipeline stages)") for i in range(count)
+            ]
             self.handles = [
-                actor.remote(engine_config, strategy, stages, num_cpus / stages, resources.num_threads)
-                for _ in range(count)
+                actor.remote(engine_config, strategy, stages, num_cpus / stages, resources.num_threads, group)
+                for group in self.groups
             ]
         ready, pending = ray.wait([h.info.remote() for h in self.handles], num_returns=count, timeout=start_timeout_s)
         if pending:
@@ -224,7 +251,11 @@ class ReplicaPool:
     def shutdown(self) -> None:
         for handle in self.handles:
             ray.kill(handle)
-        self.handles = []
+        for group in self.groups:
+            remove_placement_group(group)
+        for profiler in self.profilers.values():
+            ray.kill(profiler)
+        self.handles, self.groups, self.profilers = [], [], {}
 
 
 def _cpus_per_replica(count: int, resources: ReplicaResources) -> float:

@@ -32,12 +32,12 @@ import torch
 
 from pipeline.decoding import DecodeConfig, decode, prefill
 from pipeline.drafters import LayerSkipDrafter
-from pipeline.knapspec import KnapSpecConfig, KnapSpecDrafter, search_candidates
-from pipeline.sampling import SamplingParams
-from pipeline.tpt import choose_plan
 from pipeline.engine import STRATEGIES, Engine, EngineConfig, StrategyConfig
 from pipeline.errors import KnapSpecError
+from pipeline.knapspec import KnapSpecConfig, KnapSpecDrafter, search_candidates
 from pipeline.prompts import build_prompt
+from pipeline.sampling import SamplingParams
+from pipeline.tpt import choose_plan
 
 logger = logging.getLogger("benchmark")
 

@@ -298,6 +298,7 @@ def _pipelined_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
     """The engine over stage actors on Ray; they end with this process's Ray session."""
     import ray
 
+    from actors.profiler import calibrate_pipeline
     from actors.shard import start_pipeline
 
     if args.strategy in ("hf", "hf-lookup"):
@@ -306,10 +307,12 @@ def _pipelined_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
     path = checkpoint.resolve_checkpoint(config.model, config.cache_dir)
     mode = resolve_compute_mode(config.dtype, config.device)
     threads = max(1, torch.get_num_threads() // args.pipeline_parallel)
-    pipeline, _ = start_pipeline(path, args.pipeline_parallel, mode, config.device, num_cpus=0.5, num_threads=threads)
+    staged = start_pipeline(path, args.pipeline_parallel, mode, config.device, num_cpus=0.5, num_threads=threads)
     if args.strategy in SEARCHING_STRATEGIES:
-        config = dataclasses.replace(config, latency=pipeline.calibrate())  # each stage on its own device
-    return Engine(config, model=pipeline)
+        # Each stage weighed by its own node's device table (one profiler per node), plus the hop.
+        latency = calibrate_pipeline(staged, path, mode, config.device, config.calibration_dir, threads)
+        config = dataclasses.replace(config, latency=latency)
+    return Engine(config, model=staged.model)
 
 
 def _stats_line(record: dict) -> str:

@@ -1,8 +1,14 @@
 #!/usr/bin/env python
-"""Calibrate KnapSpec's latency model for one model on one device, in this process.
+"""Calibrate KnapSpec's latency model: on this device, or on every node of a Ray cluster.
 
     python jobs/profile.py                                  # embedded model, default dtype, CPU
     python jobs/profile.py --dtype fp32 --context-lengths 512,2048 --output out/latency.json
+    python jobs/profile.py --address auto --device cuda     # every node of a running cluster
+
+With --address, a ProfilerActor on each node calibrates that node's device for the model's
+layer shapes (random weights: no node reads the checkpoint's layers) into the node's store,
+where pipeline stages placed there find it; the table adds the measured hop between every
+pair of nodes (and within each node).
 
 Measures attention at each context length, the MLP, the fixed cost and verify forwards
 (see profiling/microbench.py), stores the calibration in the store under the cache
@@ -76,6 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", type=Path, help=f"default: {checkpoint.default_cache_dir()}")
     parser.add_argument("--store", type=Path, help="calibration store folder (default: CACHE_DIR/calibration)")
     parser.add_argument("--quiet", action="store_true", help="log warnings only")
+    parser.add_argument(
+        "--address", help="calibrate every node of this Ray cluster ('auto': the one started on this machine)"
+    )
+    parser.add_argument(
+        "--threads", type=positive_int, help="torch threads per profiler with --address (default: Ray's, one per CPU asked)"
+    )
     return parser.parse_args(argv)
 
 
@@ -112,6 +124,64 @@ def run(args: argparse.Namespace) -> Calibration:
         calibration.save(args.output)
         logger.info("wrote %s", args.output)
     return calibration
+
+
+def run_cluster(args: argparse.Namespace) -> tuple[list[dict], list[Calibration], list[list[float]]]:
+    """Every node's calibration through its ProfilerActor, and the hop between every two nodes."""
+    import ray
+
+    from actors.profiler import echo_on, start_profilers
+    from pipeline.model_spec import ModelSpec
+
+    path = checkpoint.resolve_checkpoint(args.model, args.cache_dir)
+    device = torch.device(args.device)
+    mode = resolve_compute_mode(args.dtype, device)
+    hidden_size = ModelSpec.from_hf_config(checkpoint.load_config(path)).hidden_size
+    ray.init(address=args.address, log_to_driver=not args.quiet)
+    try:
+        profilers = start_profilers()
+        infos = ray.get([handle.node.remote() for handle in profilers.values()])
+        if device.type == "cuda":
+            infos = [info for info in infos if info["resources"].get("GPU", 0) > 0]
+            if not infos:
+                raise ConfigError("--device cuda, but no node of the cluster has a GPU")
+        nodes = [info["node_id"] for info in infos]
+        measure = {
+            "context_lengths": args.context_lengths, "max_verify": args.max_verify, "repeats": args.repeats,
+            "force": args.force,
+        }
+        store = str(args.store) if args.store else None
+        # One node at a time: nodes on one machine (or sharing a network) would slow each other.
+        calibrations = [
+            ray.get(profilers[node].calibrate.remote(str(path), mode.value, args.device, args.threads, measure, store))
+            for node in nodes
+        ]
+        hops = [
+            [
+                ray.get(profilers[a].hop_to.remote(profilers[b] if a != b else echo_on(a), hidden_size))
+                for b in nodes
+            ]
+            for a in nodes
+        ]
+        return infos, calibrations, hops
+    finally:
+        ray.shutdown()
+
+
+def format_cluster(infos: list[dict], calibrations: list[Calibration], hops: list[list[float]]) -> str:
+    names = [f"{info['node_id'][:8]}" for info in infos]
+    parts = []
+    for name, info, calibration in zip(names, infos, calibrations):
+        resources = ", ".join(f"{k} {v:g}" for k, v in sorted(info["resources"].items()) if k in ("CPU", "GPU"))
+        parts += [f"# Node {name} ({info['cpu']}; {resources})", "", format_table(calibration), ""]
+    parts += [
+        "## Per-hop latency: one hidden state there and back (ms, median)",
+        "",
+        "| from \\ to | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    parts += [f"| {name} | " + " | ".join(f"{t * 1e3:.2f}" for t in row) + " |" for name, row in zip(names, hops)]
+    return "\n".join(parts)
 
 
 def format_table(calibration: Calibration) -> str:
@@ -175,13 +245,17 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        calibration = run(args)
+        if args.address is not None:
+            if args.output is not None:
+                raise ConfigError("--output writes one device's calibration; with --address they go to each node's store")
+            print(format_cluster(*run_cluster(args)))
+        else:
+            print(format_table(run(args)))
     except (KnapSpecError, OSError, ValueError) as e:
         return usage_error(e)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
-    print(format_table(calibration))
     return 0
 
 

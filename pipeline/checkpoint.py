@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -87,11 +88,16 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
 
 
-def read_tensors(path: Path, keep: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
+def read_tensors(
+    path: Path,
+    keep: Callable[[str], bool] = lambda name: True,
+    read: Callable[[str, Any], torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
     """Read the named tensors from a folder's safetensors files, only those `keep` accepts.
 
     Only the selected tensors are read from disk, so a pipeline stage can load its
-    own layers of a large checkpoint.
+    own layers of a large checkpoint. `read(name, slice_handle)` reads part of a tensor
+    (a tensor-parallel rank's slice: pipeline/tensor_parallel.py); default all of it.
     """
     from safetensors import safe_open
 
@@ -100,7 +106,7 @@ def read_tensors(path: Path, keep: Callable[[str], bool] = lambda name: True) ->
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 if keep(name):
-                    tensors[name] = f.get_tensor(name)
+                    tensors[name] = f.get_tensor(name) if read is None else read(name, f.get_slice(name))
     return tensors
 
 

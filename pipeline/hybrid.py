@@ -12,6 +12,7 @@ from pipeline.drafters import Draft, DraftRequest
 from pipeline.knapspec import KnapSpecConfig, KnapSpecDrafter, SearchHistory
 from pipeline.latency_model import LatencyModel
 from pipeline.prompt_lookup import PromptLookupDrafter
+
 # Copied tokens come in runs (a phrase is right as a whole or not), so the per-token
 # geometric model of TPT misjudges them: the hybrid counts, for each draft position j,
 # how often the first j + 1 copied tokens were all accepted, starting from an optimistic

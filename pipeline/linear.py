@@ -28,6 +28,11 @@ class ComputeMode(str, enum.Enum):
     def activation_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self is ComputeMode.BF16 else torch.float32
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes per weight a decode step reads."""
+        return 4 if self is ComputeMode.FP32 else 2
+
 
 DTYPE_CHOICES = ("auto", "fp32", "fp16w", "bf16")
 

@@ -24,7 +24,6 @@ import copy
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +40,8 @@ from pipeline.linear import ComputeMode
 from pipeline.model_spec import ModelSpec
 from pipeline.pipeline_latency import PipelineLatency
 from pipeline.sublayer_model import ForwardOutput, SublayerModel, check_context, prefill_in_chunks
+from pipeline.tensor_parallel import shard_config, shard_reader
+from pipeline.throttle import throttle
 
 logger = logging.getLogger(__name__)
 
@@ -110,39 +111,34 @@ class StageModel:
         mode: ComputeMode,
         device: torch.device | str = "cpu",
         sublayer_delay_s: float = 0.0,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
         """`sublayer_delay_s` > 0 makes every attention and MLP call wait that long: a slower
-        device, for tests of heterogeneous pipelines (the profiler measures it like any other
-        device). A wait, not repeated work: it holds on a busy machine, where extra compute
-        would be lost in the noise."""
+        device, for tests of heterogeneous pipelines (pipeline/throttle.py). With `tp_size` > 1
+        this is rank `tp_rank` of the stage's tensor-parallel group: it reads and holds only
+        its share of the heads and MLP columns, and sums partial results through `local.reduce`
+        (set once the group is joined)."""
         config = checkpoint.load_config(path)
         spec = ModelSpec.from_hf_config(config)
         if layout.end_layer > spec.num_layers:
             raise ConfigError(f"stage layers [{layout.first_layer}, {layout.end_layer}) exceed the model's {spec.num_layers}")
         self.layout = layout
         self.full_spec = spec
-        tensors = checkpoint.read_tensors(path, keep=stage_tensor_filter(layout, spec.tie_word_embeddings))
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        tensors = checkpoint.read_tensors(
+            path,
+            keep=stage_tensor_filter(layout, spec.tie_word_embeddings),
+            read=shard_reader(tp_rank, tp_size) if tp_size > 1 else None,
+        )
         self.loaded_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        self.local = SublayerModel.from_tensors(*_local_view(config, spec, layout, tensors), mode, device)
+        local_config = shard_config(config, tp_size)
+        self.local = SublayerModel.from_tensors(*_local_view(local_config, spec, layout, tensors), mode, device)
         self.caches: dict[str, KVCache] = {}
         self.model_name = path.name
         self.sublayer_delay_s = sublayer_delay_s
         if sublayer_delay_s > 0:
-            _slow_down(self.local, sublayer_delay_s)
-
-    def calibrate(self, store_dir: Path | None = None, measure_kwargs: dict | None = None) -> LatencyModel:
-        """This stage's latency table, measured on its own device (cached in that node's
-        calibration store under the stage's layout, so a restart or a rerun reuses it)."""
-        from profiling.calibration import CalibrationKey, CalibrationStore, device_name
-
-        layout = self.layout
-        name = f"pp{layout.num_stages}-stage{layout.index}" + (
-            f"-delay{self.sublayer_delay_s * 1e6:.0f}us" if self.sublayer_delay_s > 0 else ""
-        )
-        key = CalibrationKey(
-            device=device_name(self.local.device), model=self.model_name, dtype=self.local.mode.value, layout=name
-        )
-        return CalibrationStore(store_dir).load_or_measure(self.local, key, **(measure_kwargs or {})).latency
+            throttle(self.local, sublayer_delay_s)
 
     # Requests' caches. Positions are the request's; a cache holds only this stage's layers.
 
@@ -232,20 +228,6 @@ def _local_view(config, spec: ModelSpec, layout: StageLayout, tensors: dict[str,
     if layout.has_head and not spec.tie_word_embeddings and "lm_head.weight" not in local:
         raise ConfigError("checkpoint has no lm_head.weight and does not tie it to the embeddings")
     return local_config, local
-
-
-def _slow_down(model: SublayerModel, delay_s: float) -> None:
-    attention, mlp = model._attention, model._mlp
-
-    def slow_attention(*args):
-        time.sleep(delay_s)
-        return attention(*args)
-
-    def slow_mlp(*args):
-        time.sleep(delay_s)
-        return mlp(*args)
-
-    model._attention, model._mlp = slow_attention, slow_mlp
 
 
 # ------------------------------------------------------------------------------- links
@@ -413,20 +395,21 @@ class PipelineModel:
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.links[0].get(self.links[0].call("embed_tokens", token_ids))
 
-    def calibrate(self, store_dir: Path | None = None, hop_rounds: int = 30, **measure_kwargs) -> PipelineLatency:
-        """Every stage's table from its own device, and the median hop to the last stage."""
+    def calibrate(self, stage_tables: Sequence[LatencyModel], hop_rounds: int = 30) -> PipelineLatency:
+        """The replica's latency model: stage k's table from its own device's profile, and the
+        median hop from here to the last stage, measured now."""
         import statistics
         import time
 
-        futures = [link.call("calibrate", store_dir, measure_kwargs or None) for link in self.links]
-        tables = [link.get(f) for link, f in zip(self.links, futures)]
+        if len(stage_tables) != len(self.links):
+            raise ValueError(f"{len(stage_tables)} stage tables for {len(self.links)} stages")
         probe = torch.zeros(1, self.spec.hidden_size)
         hops = []
         for _ in range(hop_rounds if len(self.links) > 1 else 0):
             started = time.perf_counter()
             self.links[-1].get(self.links[-1].call("echo", probe))
             hops.append(time.perf_counter() - started)
-        return PipelineLatency.of(tables, statistics.median(hops) if hops else 0.0)
+        return PipelineLatency.of(stage_tables, statistics.median(hops) if hops else 0.0)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.links[-1].get(self.links[-1].call("logits", h))

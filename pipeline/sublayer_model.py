@@ -9,7 +9,7 @@ request per forward, and its KV cache has no batch dimension.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +74,9 @@ class SublayerModel:
         self._cos = torch.empty(0, spec.head_dim, device=device)
         self._sin = torch.empty(0, spec.head_dim, device=device)
         self._scale = spec.head_dim**-0.5
+        # Sums the residual updates of a tensor-parallel group (pipeline/tensor_parallel.py):
+        # with a shard of the heads and MLP columns, o_proj and down_proj give partial sums.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     # ----------------------------------------------------------------- loading
 
@@ -282,7 +285,7 @@ class SublayerModel:
         out = out + torch.matmul(probs[..., prefix_len:], own_v[:, :, None])
         # -> [B, r, heads * head_dim] with heads ordered (kv_head, group)
         out = out.permute(1, 3, 0, 2, 4).reshape(num_branches * num_tokens, s.num_heads * s.head_dim)
-        return (flat + layer.o(out)).view_as(h)
+        return (flat + self._reduced(layer.o(out))).view_as(h)
 
     @torch.inference_mode()
     def run_knapsack(
@@ -312,7 +315,10 @@ class SublayerModel:
 
     def _mlp(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         gate, up = layer.gate_up(self._rms_norm(h, layer.post_norm)).chunk(2, dim=-1)
-        return layer.down(F.silu(gate) * up)
+        return self._reduced(layer.down(F.silu(gate) * up))
+
+    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.reduce is None else self.reduce(partial)
 
     def _attention(
         self,
@@ -343,7 +349,7 @@ class SublayerModel:
             out = self._fused_attention(q, keys, values, start, mask)
         else:
             out = self._grouped_attention(q, keys, values, start, mask)
-        return layer.o(out)
+        return self._reduced(layer.o(out))
 
     def _fused_attention(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, mask: torch.Tensor | None

@@ -157,7 +157,8 @@ class TestRayStages:
         from actors.shard import start_pipeline
 
         _, whole = load_tiny(six_layers)
-        pipeline, handles = start_pipeline(six_layers, num_stages, ComputeMode.FP32, num_cpus=0.5, num_threads=1)
+        staged = start_pipeline(six_layers, num_stages, ComputeMode.FP32, num_cpus=0.5, num_threads=1)
+        pipeline, handles = staged.model, staged.handles
         try:
             for strategy in ("ar", "knapspec"):
                 drafter = (
@@ -176,9 +177,12 @@ class TestRayStages:
             )
             infos = ray.get([h.info.remote() for h in handles])
             assert [i["layers"] for i in infos] == [tuple(r) for r in partition_layers(6, num_stages)]
+            table = ray.util.placement_group_table(staged.placement_group)
+            assert table["state"] == "CREATED" and table["strategy"] == "PACK"
+            assert list(table["bundles"].values()) == [{"CPU": 0.5}] * num_stages
         finally:
-            for h in handles:
-                ray.kill(h)
+            staged.shutdown()
+        assert ray.util.placement_group_table(staged.placement_group)["state"] == "REMOVED"
 
     def test_a_killed_stage_does_not_change_the_output(self, tmp_path):
         """Kill a stage actor while a request runs: Ray restarts it (without its caches), the
@@ -204,6 +208,7 @@ class TestRayStages:
         assert ray.get(running)["token_ids"] == expected
         assert ray.get(coordinator.info.remote())["retried_requests"] == 1  # the kill did interrupt it
         assert ray.get(middle.info.remote())["layers"] == (2, 4)  # restarted, same layers
+        ray.get(coordinator.shutdown.remote())
         ray.kill(coordinator)
 
     def test_knapspec_replica_calibrates_its_stages(self, tmp_path):
@@ -225,9 +230,16 @@ class TestRayStages:
         try:
             assert ray.get(coordinator.generate.remote(ids, 40, SamplingParams()))["token_ids"] == expected
         finally:
+            ray.get(coordinator.shutdown.remote())
             ray.kill(coordinator)
-        stored = sorted(p.name for p in (tmp_path / "store").glob("*.json"))
-        assert len(stored) == 2 and "pp2-stage0" in stored[0] and "pp2-stage1" in stored[1]
+        # The stages and their placement group are gone (Ray frees resources asynchronously).
+        deadline = time.monotonic() + 30
+        while ray.available_resources().get("CPU") != ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]
+        # Both stages on this one node: one table of its device, from its profiler.
+        stored = [p.name for p in (tmp_path / "store").glob("*.json")]
+        assert len(stored) == 1 and "layer-shapes" in stored[0], stored
 
     @pytest.mark.slow
     def test_real_model_on_a_sample_document(self):
@@ -243,16 +255,13 @@ class TestRayStages:
         ids = build_prompt(engine.tokenizer, doc["text"], max_prompt_tokens=600).token_ids
         reference = engine.generate(ids, StrategyConfig("ar"), 24).token_ids
         path = checkpoint.resolve_checkpoint(None)
-        pipeline, handles = start_pipeline(path, 2, ComputeMode.FP32, num_cpus=1, num_threads=1)
+        staged = start_pipeline(path, 2, ComputeMode.FP32, num_cpus=1, num_threads=1)
         try:
-            assert generate(pipeline, ids, NoDraft(), max_new=24) == reference
+            assert generate(staged.model, ids, NoDraft(), max_new=24) == reference
             drafter = KnapSpecDrafter(engine.latency, CONFIG)
-            assert generate(pipeline, ids, drafter, max_new=24) == reference
+            assert generate(staged.model, ids, drafter, max_new=24) == reference
         finally:
-            import ray
-
-            for h in handles:
-                ray.kill(h)
+            staged.shutdown()
 
 
 @pytest.mark.ray
@@ -281,15 +290,22 @@ def test_generate_cli_through_pipeline_stages(tmp_path):
 
 def test_a_slower_stage_gets_more_of_its_items_skipped(tmp_path):
     """Heterogeneous devices: stage 1 waits 1 ms in every sublayer (a slower device, which its
-    own calibration measures: this tiny model's sublayers take well under 1 ms here); its items
+    device's profile measures: this tiny model's sublayers take well under 1 ms here); its items
     weigh more, and the knapsack skips more of them than of the fast stage's."""
     from pipeline.knapspec import search_candidates
+    from profiling.device_profile import device_calibration, stage_table
 
     # Every layer nearly redundant: agreement does not tell the stages apart, latency does.
     path = make_tiny_checkpoint(tmp_path / "model", "llama", num_hidden_layers=8, quiet_layers=tuple(range(8)))
-    pipeline = PipelineModel.local(path, 2, ComputeMode.FP32, delays=[0.0, 1e-3])
+    delays = [0.0, 1e-3]
+    pipeline = PipelineModel.local(path, 2, ComputeMode.FP32, delays=delays)
     measure = {"context_lengths": (64, 256), "repeats": 5, "max_verify": 4}
-    latency = pipeline.calibrate(tmp_path / "store", **measure)
+    config = checkpoint.load_config(path)
+    tables = [
+        device_calibration(config, "tiny", ComputeMode.FP32, "cpu", tmp_path / "store", d, **measure).latency
+        for d in delays
+    ]
+    latency = pipeline.calibrate([stage_table(t, 4, has_head=k == 1) for k, t in enumerate(tables)])
     weights = latency.item_weights(256)
     fast, slow = sum(weights[:8]), sum(weights[8:])
     assert slow > 1.5 * fast, weights
