@@ -32,21 +32,29 @@ PROFILER_NAME = "knapspec-profiler-{node_id}"
 
 
 def measure_device(
-    path: str, mode: str, device: str, store_dir: str | None, num_threads: int | None, measure_kwargs: dict
+    path: str,
+    mode: str,
+    device: str,
+    store_dir: str | None,
+    num_threads: int | None,
+    measure_kwargs: dict,
+    tensor_parallel: int = 1,
 ) -> Calibration:
-    """This process's device's calibration for the checkpoint's layer shapes (stored or measured)."""
+    """This process's device's calibration for the checkpoint's layer shapes (stored or measured);
+    with tensor parallelism, for one rank's share of them."""
     import torch
 
     from pipeline import checkpoint
+    from pipeline.tensor_parallel import shard_config
     from pipeline.throttle import node_sublayer_delay
     from profiling.device_profile import device_calibration
 
     if num_threads is not None:
         torch.set_num_threads(num_threads)
-    config = checkpoint.load_config(Path(path))
+    config = shard_config(checkpoint.load_config(Path(path)), tensor_parallel)
     return device_calibration(
         config,
-        Path(path).name,
+        Path(path).name + (f"-tp{tensor_parallel}" if tensor_parallel > 1 else ""),
         ComputeMode(mode),
         device,
         Path(store_dir) if store_dir else None,
@@ -85,13 +93,15 @@ class ProfilerActor:
         num_threads: int | None = None,
         measure_kwargs: dict | None = None,
         store_dir: str | None = None,
+        tensor_parallel: int = 1,
     ) -> Calibration:
         """The per-layer calibration of this node's `device` for the checkpoint at `path`
-        (stored in `store_dir`, default the node's cache)."""
+        (stored in `store_dir`, default the node's cache); for one rank's share with tensor
+        parallelism (the all-reduces are not in it)."""
         measure_kwargs = measure_kwargs or {}
-        key = (path, mode, device, num_threads, tuple(sorted(measure_kwargs.items())), store_dir)
+        key = (path, mode, device, num_threads, tuple(sorted(measure_kwargs.items())), store_dir, tensor_parallel)
         if key not in self.calibrations:
-            args = (path, mode, device, store_dir, num_threads, measure_kwargs)
+            args = (path, mode, device, store_dir, num_threads, measure_kwargs, tensor_parallel)
             if device.startswith("cuda"):
                 task = ray.remote(measure_device).options(**measurement_options(device, self.node_id))
                 self.calibrations[key] = ray.get(task.remote(*args))
@@ -164,6 +174,7 @@ def calibrate_pipeline(
     store_dir: Path | None = None,
     num_threads: int | None = None,
     measure_kwargs: dict | None = None,
+    tensor_parallel: int = 1,
 ) -> PipelineLatency:
     """A replica's latency model: each stage's table from the profiler of its own node, and
     the hop measured through the stages."""
@@ -176,7 +187,8 @@ def calibrate_pipeline(
         raise RuntimeError(f"no profiler on node(s) {missing}: they are not alive")
     futures = {
         node: profilers[node].calibrate.remote(
-            str(path), mode.value, device, num_threads, measure_kwargs, str(store_dir) if store_dir else None
+            str(path), mode.value, device, num_threads, measure_kwargs, str(store_dir) if store_dir else None,
+            tensor_parallel,
         )
         for node in nodes
     }

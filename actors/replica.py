@@ -93,6 +93,7 @@ class PipelineReplica(EngineReplica):
         stage_cpus: float,
         num_threads: int | None = None,
         group=None,
+        tensor_parallel: int = 1,
     ) -> None:
         """`group`: a placement group with a bundle per stage (actors.shard.stage_bundles),
         reserved and removed by the caller, so it outlives this actor's restarts and dies with
@@ -110,20 +111,23 @@ class PipelineReplica(EngineReplica):
         path = checkpoint.resolve_checkpoint(engine_config.model, engine_config.cache_dir)
         mode = resolve_compute_mode(engine_config.dtype, engine_config.device)
         self.ray_pipeline = start_pipeline(
-            path, num_stages, mode, engine_config.device, num_cpus=stage_cpus, num_threads=num_threads, group=group
+            path, num_stages, mode, engine_config.device, num_cpus=stage_cpus, num_threads=num_threads, group=group,
+            tensor_parallel=tensor_parallel,
         )
         self.pipeline, self.stages = self.ray_pipeline.model, self.ray_pipeline.handles
         if strategy.name in SEARCHING_STRATEGIES and engine_config.latency is None:
             # Each stage weighed by its own node's device table, plus the hop: the knapsack
             # skips a slow stage's items first and knows that a skipped middle stage saves its hop.
             latency = calibrate_pipeline(
-                self.ray_pipeline, path, mode, engine_config.device, engine_config.calibration_dir, num_threads
+                self.ray_pipeline, path, mode, engine_config.device, engine_config.calibration_dir, num_threads,
+                tensor_parallel=tensor_parallel,
             )
             engine_config = replace(engine_config, latency=latency)
         self.engine = Engine(engine_config, model=self.pipeline)
         self.strategy = strategy
         self.load_s = time.perf_counter() - started
         self.num_threads = num_threads
+        self.tensor_parallel = tensor_parallel
         self.retried = 0
 
     def info(self) -> dict:
@@ -162,6 +166,12 @@ class PipelineReplica(EngineReplica):
             try:
                 return super().generate(prompt_ids, max_new_tokens, params)
             except ray.exceptions.RayError as e:
+                if self.tensor_parallel > 1:
+                    # A lost rank is not restarted: its group could not form again.
+                    raise RuntimeError(
+                        f"a tensor-parallel rank of this replica failed ({type(e).__name__}); the replica cannot "
+                        "recover, restart the job (its --resume keeps the finished rows)"
+                    ) from e
                 if attempt == self.RETRIES:
                     raise
                 logger.warning("A pipeline stage failed (%s); running the request again from the start", type(e).__name__)
@@ -177,7 +187,8 @@ class ReplicaResources:
     num_cpus: float | None = None  # None: up to one CPU each, whatever the cluster has after DATA_CPUS
     num_gpus: float = 0.0
     num_threads: int | None = None  # torch threads per replica; None: Ray's default for the reservation
-    pipeline_parallel: int = 1  # stages per replica; each gets num_cpus / pipeline_parallel
+    pipeline_parallel: int = 1  # stages per replica
+    tensor_parallel: int = 1  # ranks per stage; each rank gets num_cpus / (stages × ranks)
     requests_in_flight: int = 4  # per pipelined replica
 
 
@@ -195,10 +206,10 @@ class ReplicaPool:
         if count < 1:
             raise ConfigError(f"need at least one replica, got {count}")
         num_cpus = _cpus_per_replica(count, resources)
-        stages = resources.pipeline_parallel
+        stages, ranks = resources.pipeline_parallel, resources.tensor_parallel
         self.groups: list = []
         self.profilers: dict = {}
-        if stages == 1:
+        if stages == 1 and ranks == 1:
             actor = ray.remote(EngineReplica).options(
                 num_cpus=num_cpus,
                 num_gpus=resources.num_gpus,
@@ -221,12 +232,12 @@ class ReplicaPool:
             # One profiler per node, owned here so that it lives as long as the pool: replicas find
             # them by name, and a node's table is measured once for all of them.
             self.profilers = start_profilers()
-            bundles = stage_bundles(stages, num_cpus / stages, engine_config.device)
-            self.groups = [
-                reserve(bundles, "PACK", start_timeout_s, f"replica {i} ({stages} pipeline stages)") for i in range(count)
-            ]
+            rank_cpus = num_cpus / (stages * ranks)
+            bundles = stage_bundles(stages, rank_cpus, engine_config.device, ranks)
+            what = f"({stages} pipeline stage(s) × {ranks} tensor-parallel rank(s))"
+            self.groups = [reserve(bundles, "PACK", start_timeout_s, f"replica {i} {what}") for i in range(count)]
             self.handles = [
-                actor.remote(engine_config, strategy, stages, num_cpus / stages, resources.num_threads, group)
+                actor.remote(engine_config, strategy, stages, rank_cpus, resources.num_threads, group, ranks)
                 for group in self.groups
             ]
         ready, pending = ray.wait([h.info.remote() for h in self.handles], num_returns=count, timeout=start_timeout_s)
@@ -263,10 +274,12 @@ def _cpus_per_replica(count: int, resources: ReplicaResources) -> float:
     can never hold the replicas and still run the data stages."""
     total = ray.cluster_resources()
     usable = total.get("CPU", 0.0) - DATA_CPUS
-    gpus = count * resources.num_gpus * resources.pipeline_parallel  # a GPU per stage
+    shards = resources.pipeline_parallel * resources.tensor_parallel
+    gpus = count * resources.num_gpus * shards  # a GPU per stage and rank
     if gpus > total.get("GPU", 0.0):
         raise ConfigError(
-            f"{count} replicas of {resources.pipeline_parallel} stages need {gpus:g} GPUs, "
+            f"{count} replicas of {resources.pipeline_parallel} stages × {resources.tensor_parallel} ranks "
+            f"need {gpus:g} GPUs, "
             f"but the cluster has {total.get('GPU', 0.0):g}; lower --replicas"
         )
     num_cpus = resources.num_cpus if resources.num_cpus is not None else min(1.0, usable / count)

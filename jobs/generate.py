@@ -98,8 +98,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run the model as this many pipeline stages, Ray actors each holding its share of the layers "
         "(a local Ray cluster unless --address names one)",
     )
-    parser.add_argument("--tensor-parallel", type=positive_int, default=1, help="only 1 for now")
-    parser.add_argument("--address", help="the Ray cluster for --pipeline-parallel (default: a new local one)")
+    parser.add_argument(
+        "--tensor-parallel",
+        type=positive_int,
+        default=1,
+        help="split each stage's attention heads and MLP over this many Ray actors on one node, "
+        "all-reducing through torch.distributed (Gloo on CPU, NCCL on GPU)",
+    )
+    parser.add_argument(
+        "--address", help="the Ray cluster for --pipeline-parallel / --tensor-parallel (default: a new local one)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--quiet", action="store_true", help="log warnings only")
     return parser.parse_args(argv)
@@ -234,10 +242,14 @@ def _check_settings(args: argparse.Namespace) -> tuple[StrategyConfig, SamplingP
         raise ConfigError("the instruction template must contain '{document}'")
     if args.model is not None and args.model != checkpoint.EMBEDDED_MODEL:
         checkpoint.resolve_checkpoint(args.model)  # a bad folder fails here, not after the imports of a load
+    if args.tensor_parallel > 1:
+        from pipeline.model_spec import ModelSpec
+        from pipeline.tensor_parallel import check_tensor_parallel
+
+        config = checkpoint.load_config(checkpoint.resolve_checkpoint(args.model))
+        check_tensor_parallel(ModelSpec.from_hf_config(config), args.tensor_parallel)
     if args.skip is not None and args.strategy != "static":
         logger.warning("--skip is used only by --strategy static; ignored for %s", args.strategy)
-    if args.tensor_parallel > 1:
-        raise ConfigError("--tensor-parallel > 1 is not available yet; use --pipeline-parallel")
     strategy = StrategyConfig(name=args.strategy, skip=args.skip, max_draft=args.max_draft)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     return strategy, params
@@ -249,7 +261,8 @@ def run(args: argparse.Namespace) -> dict:
     strategy, params = _check_settings(args)
 
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
-    engine = Engine(config) if args.pipeline_parallel == 1 else _pipelined_engine(args, config)
+    sharded = args.pipeline_parallel > 1 or args.tensor_parallel > 1
+    engine = _sharded_engine(args, config) if sharded else Engine(config)
     engine.drafter(strategy)  # checks --skip against the model's items before any prefill
 
     # Room for the answer is reserved whatever the strategy, so every strategy sees
@@ -294,7 +307,7 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def _pipelined_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
+def _sharded_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
     """The engine over stage actors on Ray; they end with this process's Ray session."""
     import ray
 
@@ -306,11 +319,16 @@ def _pipelined_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
     ray.init(address=args.address or "local", include_dashboard=False, log_to_driver=not args.quiet)
     path = checkpoint.resolve_checkpoint(config.model, config.cache_dir)
     mode = resolve_compute_mode(config.dtype, config.device)
-    threads = max(1, torch.get_num_threads() // args.pipeline_parallel)
-    staged = start_pipeline(path, args.pipeline_parallel, mode, config.device, num_cpus=0.5, num_threads=threads)
+    threads = max(1, torch.get_num_threads() // (args.pipeline_parallel * args.tensor_parallel))
+    staged = start_pipeline(
+        path, args.pipeline_parallel, mode, config.device, num_cpus=0.5, num_threads=threads,
+        tensor_parallel=args.tensor_parallel,
+    )
     if args.strategy in SEARCHING_STRATEGIES:
         # Each stage weighed by its own node's device table (one profiler per node), plus the hop.
-        latency = calibrate_pipeline(staged, path, mode, config.device, config.calibration_dir, threads)
+        latency = calibrate_pipeline(
+            staged, path, mode, config.device, config.calibration_dir, threads, tensor_parallel=args.tensor_parallel
+        )
         config = dataclasses.replace(config, latency=latency)
     return Engine(config, model=staged.model)
 
@@ -329,7 +347,7 @@ def _stats_line(record: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.pipeline_parallel > 1 and args.address is None:
+    if (args.pipeline_parallel > 1 or args.tensor_parallel > 1) and args.address is None:
         # A local cluster needs no network: Ray stays on 127.0.0.1 (it reads this when imported).
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     logging.basicConfig(

@@ -130,18 +130,18 @@ def _check_args(args: argparse.Namespace):
     from pipeline.engine import StrategyConfig
     from pipeline.errors import ConfigError
     from pipeline.linear import resolve_compute_mode
+    from pipeline.model_spec import ModelSpec
     from pipeline.output import prepare_output
     from pipeline.sampling import SamplingParams
+    from pipeline.tensor_parallel import check_tensor_parallel
 
-    if args.tensor_parallel > 1:
-        raise ConfigError(
-            "--tensor-parallel > 1 needs tensor-parallel stages, which this version does not have yet; "
-            "use --pipeline-parallel or --replicas"
-        )
-    if args.pipeline_parallel > 1 and args.strategy in ("hf", "hf-lookup"):
+    if (args.pipeline_parallel > 1 or args.tensor_parallel > 1) and args.strategy in ("hf", "hf-lookup"):
         raise ConfigError(f"--strategy {args.strategy} runs transformers in one process; it has no pipeline form")
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")
+    if args.tensor_parallel > 1:
+        config = checkpoint.load_config(checkpoint.resolve_checkpoint(args.model))
+        check_tensor_parallel(ModelSpec.from_hf_config(config), args.tensor_parallel)
     spec = resolve_input(args.input, args.id_column, args.text_column, args.reference_column)
     resolve_compute_mode(args.dtype, args.device)
     StrategyConfig(name=args.strategy)
@@ -190,19 +190,17 @@ def run(args: argparse.Namespace) -> int:
         threads = args.threads_per_replica
         if threads is None:
             reserved = args.cpus_per_replica or 1.0
-            # Per process: a replica, or each stage of a pipelined one.
-            processes = args.replicas * args.pipeline_parallel
-            threads = (
-                max(1, (os.cpu_count() or 1) // processes)
-                if local
-                else max(1, round(reserved / args.pipeline_parallel))
-            )
+            # Per process: a replica, or each stage (and tensor-parallel rank) of a sharded one.
+            shards = args.pipeline_parallel * args.tensor_parallel
+            processes = args.replicas * shards
+            threads = max(1, (os.cpu_count() or 1) // processes) if local else max(1, round(reserved / shards))
         engine_config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
         resources = ReplicaResources(
             num_cpus=args.cpus_per_replica,
             num_gpus=1.0 if args.device == "cuda" else 0.0,
             num_threads=threads,
             pipeline_parallel=args.pipeline_parallel,
+            tensor_parallel=args.tensor_parallel,
             requests_in_flight=2 * args.pipeline_parallel,
         )
 

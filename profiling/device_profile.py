@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import math
 
 import torch
@@ -100,7 +101,9 @@ def device_calibration(
     model = shaped_model(config, mode, device)
     throttle(model, sublayer_delay_s)
     layout = LAYER_SHAPES_LAYOUT + (f"-delay{sublayer_delay_s * 1e6:.0f}us" if sublayer_delay_s > 0 else "")
-    key = CalibrationKey.for_model(model, model_name, layout=layout)
+    # The shapes are what was timed: two checkpoints of one name and other shapes are two keys.
+    shapes = hashlib.sha256(repr(ModelSpec.from_hf_config(config)).encode()).hexdigest()[:8]
+    key = CalibrationKey.for_model(model, f"{model_name}-{shapes}", layout=layout)
     return CalibrationStore(store_dir).load_or_measure(model, key, **measure_kwargs)
 
 

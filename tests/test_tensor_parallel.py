@@ -183,3 +183,43 @@ class TestGlooGroups:
             assert generate(pipeline, ids, drafter) == reference
         finally:
             staged.shutdown()
+
+
+def test_groups_all_reduce_over_nccl_on_gpus_and_gloo_on_cpus():
+    from pipeline.tensor_parallel import collective_backend
+
+    assert collective_backend("cuda") == collective_backend("cuda:0") == "nccl"
+    assert collective_backend("cpu") == "gloo"
+
+
+@pytest.mark.ray
+def test_a_lost_rank_fails_the_request_with_a_clear_error(tmp_path):
+    """A tensor-parallel rank is not restarted (it could not rejoin its group): killing one
+    mid-request ends that request with an error that says so, instead of hanging."""
+    import time
+
+    import ray
+
+    from actors.replica import PipelineReplica
+    from pipeline.engine import EngineConfig, StrategyConfig
+    from pipeline.sampling import SamplingParams
+
+    from conftest import make_tiny_chat_checkpoint
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    try:
+        model = make_tiny_chat_checkpoint(tmp_path / "model", num_hidden_layers=2)
+        config = EngineConfig(model=str(model), dtype="fp32")
+        coordinator = ray.remote(PipelineReplica).options(num_cpus=0).remote(
+            config, StrategyConfig("ar"), 1, 0.5, 1, None, 2
+        )
+        ids = torch.randint(300, 40000, (200,), generator=torch.Generator().manual_seed(4)).tolist()
+        rank = ray.get(coordinator.stage_handles.remote())[1]  # loaded, the group formed
+        running = coordinator.generate.remote(ids, 2000, SamplingParams())  # about 30 s here
+        time.sleep(1.0)
+        ray.kill(rank)
+        with pytest.raises(ray.exceptions.RayTaskError, match="cannot recover"):
+            ray.get(running, timeout=120)
+        ray.get(coordinator.shutdown.remote())
+    finally:
+        ray.shutdown()
