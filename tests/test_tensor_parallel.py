@@ -145,18 +145,20 @@ def test_two_ranks_give_the_whole_models_logits_and_tokens(model_path, num_stage
     assert generate(pipeline, ids, drafter) == reference
 
 
+@pytest.fixture(scope="class")
+def ray_cluster():
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
 @pytest.mark.ray
+@pytest.mark.usefixtures("ray_cluster")
 class TestGlooGroups:
-    @pytest.fixture(scope="class")
-    def ray_cluster(self):
-        import ray
-
-        ray.init(address="local", num_cpus=4, include_dashboard=False)
-        yield
-        ray.shutdown()
-
     @pytest.mark.parametrize("num_stages", [1, 2])
-    def test_ranks_as_actors_over_gloo(self, ray_cluster, tmp_path, num_stages):
+    def test_ranks_as_actors_over_gloo(self, tmp_path, num_stages):
         """P stages × T = 2 ranks as Ray actors, all-reducing over Gloo: the logits of one
         process (allclose), and its greedy tokens for ar and knapspec."""
         import ray
