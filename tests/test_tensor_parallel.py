@@ -225,3 +225,34 @@ def test_a_lost_rank_fails_the_request_with_a_clear_error(tmp_path):
         ray.get(coordinator.shutdown.remote())
     finally:
         ray.shutdown()
+
+
+@pytest.mark.ray
+def test_requests_in_flight_share_a_group_without_deadlock(tmp_path):
+    """Several requests at once through one coordinator (a thread each) keep every rank's
+    collectives in one order: all finish, each with the single-process tokens."""
+    import ray
+
+    from actors.replica import EngineReplica, PipelineReplica
+    from pipeline.engine import EngineConfig, StrategyConfig
+    from pipeline.sampling import SamplingParams
+
+    from conftest import make_tiny_chat_checkpoint
+
+    model = make_tiny_chat_checkpoint(tmp_path / "model", num_hidden_layers=2)
+    config = EngineConfig(model=str(model), dtype="fp32")
+    prompts = [
+        torch.randint(300, 40000, (60 + 20 * i,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(3)
+    ]
+    single = EngineReplica(config, StrategyConfig("ar"), 1)
+    expected = [single.generate(ids, 40, SamplingParams())["token_ids"] for ids in prompts]
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    try:
+        coordinator = ray.remote(PipelineReplica).options(num_cpus=0, max_concurrency=3).remote(
+            config, StrategyConfig("ar"), 2, 0.5, 1, None, 2
+        )
+        running = [coordinator.generate.remote(ids, 40, SamplingParams()) for ids in prompts]
+        assert [out["token_ids"] for out in ray.get(running, timeout=240)] == expected
+        ray.get(coordinator.shutdown.remote())
+    finally:
+        ray.shutdown()
