@@ -136,9 +136,7 @@ class StageModel:
         self.local = SublayerModel.from_tensors(*_local_view(local_config, spec, layout, tensors), mode, device)
         self.caches: dict[str, KVCache] = {}
         self.model_name = path.name
-        self.sublayer_delay_s = sublayer_delay_s
-        if sublayer_delay_s > 0:
-            throttle(self.local, sublayer_delay_s)
+        throttle(self.local, sublayer_delay_s)
 
     # Requests' caches. Positions are the request's; a cache holds only this stage's layers.
 
