@@ -1,9 +1,12 @@
 #!/usr/bin/env python
 """Side-by-side decoding speed: strategies and compute modes on the same prompts.
 
-Every (document, context length) is run by every strategy in turn, repeated, so
-that machine noise hits all of them alike; the table reports medians and each
-strategy's speed relative to `ar` in the CPU default mode measured in the same run.
+Every (document, context length) is run by every strategy in turn, repeated, the
+order reversed on every other repeat (A B C, C B A, ...) so that a machine growing
+busier or quieter hits all of them alike. Speeds are medians over repeats; a speed-up
+is the median over repeats of the ratio to the reference (`ar` in the CPU default mode)
+in the same repeat. `--control` runs the reference a second time at the other end of
+the order: its "speed-up" is this machine's noise.
 
     python jobs/benchmark.py --ids gao-26-109008 --context-lengths 512,2048,4096 --repeats 3
 
@@ -44,6 +47,8 @@ logger = logging.getLogger("benchmark")
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_INPUT = REPO / "data" / "sample.jsonl"
 DEFAULT_STRATEGIES = "hf:fp32,ar:fp32,hf:fp16w,ar:fp16w,static:fp16w"
+CONTROL = "ar-control"  # the reference strategy, run a second time
+SEARCHING = ("knapspec", "knapspec-coupled", "knapspec-lookup")  # the ones whose predictions are scored
 VERIFY_SIZES = (1, 2, 4, 8, 11)
 
 
@@ -88,6 +93,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also run the DP's best candidates as forced draft models, to test the latency model's predictions",
     )
     parser.add_argument("--forced", type=int, default=4, help="how many DP candidates --no-fallback runs")
+    parser.add_argument(
+        "--control", action="store_true", help=f"run the reference twice ({CONTROL}): the measured noise"
+    )
+    parser.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="measure the latency model afresh before the run (and store it) instead of using a stored one",
+    )
     pipe = parser.add_argument_group(
         "pipeline throughput (instead of the strategy comparison): requests through one replica of P stage "
         "actors, one at a time vs several in flight, and the cost of one hop"
@@ -139,10 +152,15 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"error: unknown strategy {name!r}")
     if reference not in pairs:
         pairs.insert(0, reference)
+    if args.control:
+        pairs.append((CONTROL, reference[1]))
     lengths = [int(x) for x in args.context_lengths.split(",")]
     documents = load_documents(args.input, args.ids.split(","))
     engines = {dtype: Engine(EngineConfig(model=args.model, dtype=dtype)) for dtype in sorted({d for _, d in pairs})}
     tokenizer = next(iter(engines.values())).tokenizer
+    if args.recalibrate:
+        for dtype in {d for n, d in pairs if n in SEARCHING or n in ("clasp", "swift", "early-exit")}:
+            engines[dtype].calibrate(force=True)
 
     records: list[Record] = []
     verify_rows = []
@@ -154,17 +172,19 @@ def main(argv: list[str] | None = None) -> int:
             prefilled = {dtype: engine.prefill(prompt, args.max_new_tokens) for dtype, engine in engines.items()}
             runs: dict[tuple[str, str], list] = {pair: [] for pair in pairs}
             for repeat in range(args.repeats):
-                for name, dtype in pairs:
-                    own = None if name.startswith("hf") else prefilled[dtype].copy()
-                    result = engines[dtype].generate(prompt, StrategyConfig(name), args.max_new_tokens, prefilled=own)
+                for name, dtype in run_order(pairs, repeat):
+                    strategy = reference[0] if name == CONTROL else name
+                    own = None if strategy.startswith("hf") else prefilled[dtype].copy()
+                    result = engines[dtype].generate(prompt, StrategyConfig(strategy), args.max_new_tokens, prefilled=own)
                     runs[(name, dtype)].append(result)
                     logger.info(
                         "%s %d tokens, %s:%s repeat %d: %.1f tok/s, prefill %.2f s",
                         doc_id, prompt.numel(), name, dtype, repeat, result.stats.tokens_per_s, result.stats.prefill_s,
                     )
-            ref_speed = statistics.median(r.stats.tokens_per_s for r in runs[reference])
+            ref_speeds = [r.stats.tokens_per_s for r in runs[reference]]
             for (name, dtype), results in runs.items():
-                speed = statistics.median(r.stats.tokens_per_s for r in results)
+                speeds = [r.stats.tokens_per_s for r in results]
+                ratios = [s / ref for s, ref in zip(speeds, ref_speeds) if ref > 0]
                 # Greedy outputs are exact within a compute mode: compare with `ar` in the same mode.
                 ref_tokens = runs.get(("ar", dtype), runs[reference])[0].token_ids
                 records.append(
@@ -174,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
                         doc_id=doc_id,
                         context_tokens=prompt.numel(),
                         new_tokens=len(results[0].token_ids),
-                        tokens_per_s=speed,
+                        tokens_per_s=statistics.median(speeds),
                         prefill_s=statistics.median(r.stats.prefill_s for r in results),
-                        speedup_vs_ar=speed / ref_speed if ref_speed else None,
+                        speedup_vs_ar=statistics.median(ratios) if ratios else None,
                         acceptance_rate=statistics.median(r.stats.acceptance_rate for r in results),
                         mean_accepted_len=statistics.median(r.stats.mean_accepted_len for r in results),
                         tokens_equal_ar=all(r.token_ids == ref_tokens for r in results),
@@ -202,19 +222,112 @@ def main(argv: list[str] | None = None) -> int:
     args.output.mkdir(parents=True, exist_ok=True)
     settings = vars(args) | {"input": str(args.input), "output": str(args.output), "threads": torch.get_num_threads()}
     correlation = pearson([f["predicted_tpt"] for f in forced], [f["measured_tpt"] for f in forced])
+    summary = summarize(records, forced, reference)
     out = {
         "records": [asdict(r) | {"measured_tpt": r.measured_tpt} for r in records],
         "verify_cost": verify_rows,
         "forced_candidates": forced,
         "forced_pearson_r": correlation,
+        "summary": summary,
         "settings": settings,
     }
     (args.output / "benchmark.json").write_text(json.dumps(out, indent=2))
     plot(records, forced, reference, args.output / "benchmark.png")
     print(format_tables(records, verify_rows, reference))
+    print()
+    print(format_summary(summary, reference))
     if correlation is not None:
         print(f"\nForced DP candidates: Pearson r(predicted, measured TPT) = {correlation:.2f} over {len(forced)}")
     return 0
+
+
+def run_order(pairs: list, repeat: int) -> list:
+    """A B C, then C B A: drift in the machine's speed over a pass hits every strategy alike."""
+    return list(pairs) if repeat % 2 == 0 else list(pairs)[::-1]
+
+
+def length_bucket(context_tokens: int) -> int:
+    """Documents cut to one requested length differ by a few tokens: one bucket per length."""
+    return int(round(context_tokens, -2))
+
+
+def summarize(records: list[Record], forced: list[dict], reference: tuple[str, str]) -> dict:
+    """Per strategy: the speed-up over the reference per context length (geometric mean over
+    documents, with the lowest and highest), the searches' share of decode time, and how far
+    the predicted tokens/s were from the measured ones."""
+    per_strategy: dict[str, dict] = {}
+    for r in records:
+        if r.speedup_vs_ar is None or (r.strategy, r.dtype) == reference:
+            continue
+        entry = per_strategy.setdefault(f"{r.strategy}:{r.dtype}", {"by_length": {}, "rows": []})
+        entry["by_length"].setdefault(length_bucket(r.context_tokens), []).append(r.speedup_vs_ar)
+        entry["rows"].append(r)
+    summary: dict[str, dict] = {}
+    for label, entry in per_strategy.items():
+        rows = entry["rows"]
+        predicted = [r for r in rows if r.predicted_tpt is not None and r.strategy in SEARCHING]
+        shares = [r.dp_overhead_frac for r in rows if r.dp_overhead_frac is not None]
+        summary[label] = {
+            "by_length": {
+                length: {"geomean": statistics.geometric_mean(v), "min": min(v), "max": max(v), "n": len(v)}
+                for length, v in sorted(entry["by_length"].items())
+            },
+            "geomean": statistics.geometric_mean([r.speedup_vs_ar for r in rows]),
+            "min": min(r.speedup_vs_ar for r in rows),
+            "rows": len(rows),
+            "all_tokens_equal_ar": all(r.tokens_equal_ar for r in rows),
+            "max_search_share": max(shares) if shares else None,
+            "mean_search_share": statistics.mean(shares) if shares else None,
+            "mean_abs_prediction_error": (
+                statistics.mean(abs(r.predicted_tpt - r.measured_tpt) / r.measured_tpt for r in predicted)
+                if predicted
+                else None
+            ),
+        }
+    if forced:
+        summary["forced"] = {
+            "mean_abs_prediction_error": statistics.mean(
+                abs(f["predicted_tpt"] - f["measured_tpt"]) / f["measured_tpt"] for f in forced
+            ),
+            "pearson_r": pearson([f["predicted_tpt"] for f in forced], [f["measured_tpt"] for f in forced]),
+            "n": len(forced),
+        }
+    return summary
+
+
+def format_summary(summary: dict, reference: tuple[str, str]) -> str:
+    strategies = [label for label in summary if label != "forced"]
+    if not strategies:
+        return ""
+    lengths = sorted({length for label in strategies for length in summary[label]["by_length"]})
+    lines = [
+        f"Decode speed over {reference[0]}:{reference[1]}, geometric mean over documents (lowest–highest):",
+        "",
+        "| context | " + " | ".join(strategies) + " |",
+        "|---:|" + "---:|" * len(strategies),
+    ]
+    for length in lengths:
+        cells = []
+        for label in strategies:
+            cell = summary[label]["by_length"].get(length)
+            cells.append(f"{cell['geomean']:.2f}× ({cell['min']:.2f}–{cell['max']:.2f})" if cell else "")
+        lines.append(f"| ~{length:,} | " + " | ".join(cells) + " |")
+    lines.append("| all | " + " | ".join(f"**{summary[label]['geomean']:.2f}×**" for label in strategies) + " |")
+    lines += ["", "| strategy | rows | same tokens as ar | search / decode (mean, max) | predicted vs measured tok/s (mean error) |",
+              "|---|---:|---|---:|---:|"]
+    for label in strategies:
+        entry = summary[label]
+        share = (
+            f"{entry['mean_search_share']:.1%}, {entry['max_search_share']:.1%}"
+            if entry["max_search_share"] is not None
+            else ""
+        )
+        error = f"{entry['mean_abs_prediction_error']:.0%}" if entry["mean_abs_prediction_error"] is not None else ""
+        lines.append(f"| {label} | {entry['rows']} | {'yes' if entry['all_tokens_equal_ar'] else 'NO'} | {share} | {error} |")
+    if "forced" in summary:
+        f = summary["forced"]
+        lines.append(f"| forced DP candidates | {f['n']} |  |  | {f['mean_abs_prediction_error']:.0%} |")
+    return "\n".join(lines)
 
 
 def forced_candidates(
@@ -277,8 +390,7 @@ def plot(records: list[Record], forced: list[dict], reference: tuple[str, str], 
     skipped: dict[str, dict[int, list[tuple[float, float]]]] = {}
     for r in records:
         label = f"{r.strategy}:{r.dtype}"
-        # Documents cut to one requested length differ by a few tokens: one point per length.
-        length = int(round(r.context_tokens, -2))
+        length = length_bucket(r.context_tokens)
         if r.speedup_vs_ar is not None:
             by_strategy.setdefault(label, {}).setdefault(length, []).append(r.speedup_vs_ar)
         if r.skipped_attn is not None:
@@ -342,8 +454,6 @@ def format_tables(records: list[Record], verify_rows: list[dict], reference: tup
         ratios = " | ".join(f"{v[f'verify_{k}_over_1']:.2f}" for k in VERIFY_SIZES[1:])
         lines.append(f"| {v['doc_id']} | {v['context_tokens']} | {v['dtype']} | {v['t_forward_1_s'] * 1e3:.1f} | {ratios} |")
     return "\n".join(lines)
-
-
 
 
 def pipeline_throughput(args: argparse.Namespace) -> int:

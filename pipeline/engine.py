@@ -107,15 +107,21 @@ class Engine:
     @property
     def latency(self) -> LatencyModel:
         if self._latency is None:
-            # profiling builds on pipeline; imported here so that pipeline imports without it.
-            from profiling.calibration import CalibrationKey, CalibrationStore
+            self.calibrate()
+        return self._latency
 
-            store = CalibrationStore(self.config.calibration_dir)
-            if not isinstance(self.model, SublayerModel):
-                # A sharded model is timed by its stages, on their devices (PipelineModel.calibrate).
-                raise ConfigError("this engine's model runs elsewhere: pass its latency model in EngineConfig(latency=...)")
-            key = CalibrationKey.for_model(self.model, self.name)
-            self._latency = store.load_or_measure(self.model, key).latency
+    def calibrate(self, force: bool = False) -> LatencyModel:
+        """The stored calibration of this model on this device, measured (and stored) when
+        there is none or when `force`: a machine whose load changed re-measures."""
+        # profiling builds on pipeline; imported here so that pipeline imports without it.
+        from profiling.calibration import CalibrationKey, CalibrationStore
+
+        store = CalibrationStore(self.config.calibration_dir)
+        if not isinstance(self.model, SublayerModel):
+            # A sharded model is timed by its stages, on their devices (PipelineModel.calibrate).
+            raise ConfigError("this engine's model runs elsewhere: pass its latency model in EngineConfig(latency=...)")
+        key = CalibrationKey.for_model(self.model, self.name)
+        self._latency = store.load_or_measure(self.model, key, force=force).latency
         return self._latency
 
     def drafter(self, strategy: StrategyConfig) -> Drafter:

@@ -10,9 +10,11 @@ or plain decoding when speculation is not predicted to win.
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -33,6 +35,12 @@ from pipeline.tpt import (
 
 logger = logging.getLogger(__name__)
 
+# What one search costs, in full decode forwards: the DP runs every item on B branches of
+# r reference tokens, which cost about as much as one forward plus one per this many
+# branch-tokens (2 CPU cores, SmolLM2 fp16w, 0.5k-7k context: within 15% for B·r = 8..48).
+# Each engine corrects it by what its searches actually took.
+SEARCH_BRANCH_TOKENS_PER_FORWARD = 12.0
+
 
 @dataclass(frozen=True)
 class KnapSpecConfig:
@@ -45,6 +53,10 @@ class KnapSpecConfig:
     confidence_threshold: float = DEFAULT_CONFIDENCE_THRESHOLD
     margin: float = DEFAULT_MARGIN  # how much speculation must beat AR by
     max_branches: int | None = 4  # DP cells kept per row
+    # The DP's share of the decode time it plans for (the steps until the next search, or to
+    # the end of the request): fewer branches when that budget is tight, no search when not
+    # even one fits. None: unbounded.
+    max_search_share: float | None = 0.05
     weight_cap: int = 5
     coupled: bool = False  # skip a layer's attention and MLP together (the paper's ablation)
     prior_mean: float = DEFAULT_PRIOR_MEAN
@@ -55,6 +67,8 @@ class KnapSpecConfig:
             raise ConfigError("num_reference_tokens must be >= 2")
         if self.reoptimize_every < 1 or self.max_draft < 1:
             raise ConfigError("reoptimize_every and max_draft must be >= 1")
+        if self.max_search_share is not None and not 0 < self.max_search_share <= 1:
+            raise ConfigError(f"max_search_share must be in (0, 1] or None, got {self.max_search_share}")
 
 
 class SearchHistory:
@@ -68,6 +82,11 @@ class SearchHistory:
 
     def __init__(self, max_len: int = 64) -> None:
         self.verdicts: deque[tuple[tuple[int, ...], bool]] = deque(maxlen=max_len)  # (item weights, chose AR)
+        self.search_cost_ratios: deque[float] = deque(maxlen=16)  # measured / estimated search seconds
+
+    def search_cost_scale(self) -> float:
+        """How much dearer than estimated this engine's searches have been (median; 1.0 before any)."""
+        return statistics.median(self.search_cost_ratios) if self.search_cost_ratios else 1.0
 
     def record(self, weights: tuple[int, ...], chose_ar: bool) -> None:
         self.verdicts.append((weights, chose_ar))
@@ -105,6 +124,7 @@ class ReplanningDrafter:
         # Reported in GenerationResult.extra.
         self.optimize_s = 0.0
         self.plans: list[DraftPlan] = []
+        self.num_postponed = 0  # checks that found no time for a search
 
     def propose(self, request: DraftRequest) -> Draft:
         context = request.cache.length
@@ -114,7 +134,14 @@ class ReplanningDrafter:
             self._set_plan(plan, request.model, context, searched=False)
         elif self._due(context) and context > self.config.num_reference_tokens:
             t0 = time.perf_counter()
-            self._set_plan(self.make_plan(request), request.model, context)
+            plan = self.make_plan(request)
+            if plan is None:
+                # No search fits the time budget: decode plainly until the next check.
+                plan = choose_plan([], lambda k: self.latency.t_verify(k, context), self.config.max_draft)
+                self._set_plan(plan, request.model, context, searched=False)
+                self.num_postponed += 1
+            else:
+                self._set_plan(plan, request.model, context)
             self.optimize_s += time.perf_counter() - t0
         if self._drafter is None:
             return Draft([])
@@ -131,12 +158,14 @@ class ReplanningDrafter:
             "optimize_s": self.optimize_s,
             "num_optimizations": len(self.plans),
             "num_chose_ar": len(self.plans) - len(plans),
+            "num_searches_postponed": self.num_postponed,
             "predicted_tpt": self.plan.predicted_tpt if self.plan else None,
             "mean_skipped_attn": _mean([sum(1 for i in p.skip if i % 2 == 0) for p in plans]),
             "mean_skipped_mlp": _mean([sum(1 for i in p.skip if i % 2 == 1) for p in plans]),
         }
 
-    def make_plan(self, request: DraftRequest) -> DraftPlan:
+    def make_plan(self, request: DraftRequest) -> DraftPlan | None:
+        """The plan from here on, or None when there is no time to search now."""
         raise NotImplementedError
 
     def _interval(self) -> int:
@@ -191,7 +220,7 @@ class ReplanningDrafter:
 class KnapSpecDrafter(ReplanningDrafter):
     """The latency-aware knapsack over items, TPT over γ, AR when speculation would not pay."""
 
-    def make_plan(self, request: DraftRequest) -> DraftPlan:
+    def make_plan(self, request: DraftRequest) -> DraftPlan | None:
         config, context = self.config, request.cache.length
         weights = tuple(self.latency.item_weights(context, config.weight_cap))
 
@@ -202,11 +231,44 @@ class KnapSpecDrafter(ReplanningDrafter):
         if choose_plan([bound], t_verify, config.max_draft, config.margin).use_ar:
             # Not even a perfect draft at the cheapest cost the budget allows would win: skip the DP.
             return choose_plan([], t_verify, config.max_draft, config.margin)
+        branches = self.search_branches(context, steps_left=request.max_tokens + 1)
+        if branches == 0:
+            return None
         ref_ids, prefix = self.reference(request)
         bypass = tuple(self.latency.bypass_weights(context, config.weight_cap))
-        candidates = search_candidates(request.model, request.cache, ref_ids, prefix, weights, config, bypass)
+        search = replace(config, max_branches=branches)
+        t0 = time.perf_counter()
+        candidates = search_candidates(request.model, request.cache, ref_ids, prefix, weights, search, bypass)
+        estimate = self.search_cost(branches, context, scaled=False)
+        if estimate > 0:
+            self.history.search_cost_ratios.append((time.perf_counter() - t0) / estimate)
         scored = [self.score(skip, top1, candidates[0][1], context) for skip, top1 in candidates]
         return choose_plan(scored, t_verify, config.max_draft, config.margin)
+
+    def search_cost(self, branches: int | None, context: int, scaled: bool = True) -> float:
+        """Estimated seconds of one DP search with at most `branches` cells per row."""
+        r = self.config.num_reference_tokens
+        # Uncapped, the DP keeps every budget it reaches: at most half the total weight + 1 cells.
+        if branches is None:
+            branches = sum(self.latency.item_weights(context, self.config.weight_cap)) // 2 + 1
+        seconds = self.latency.t_forward(context) * (1.0 + branches * r / SEARCH_BRANCH_TOKENS_PER_FORWARD)
+        return seconds * (self.history.search_cost_scale() if scaled else 1.0)
+
+    def search_branches(self, context: int, steps_left: int) -> int | None:
+        """The branch cap that keeps a search within its share of the decode time it plans
+        for: the configured cap when that fits, fewer when not, 0 when not even one does."""
+        cap, share = self.config.max_branches, self.config.max_search_share
+        if share is None:
+            return cap
+        steps = min(self._interval(), max(steps_left, 1))
+        budget = share * steps * self.latency.t_verify(1, context)
+        per_forward = self.latency.t_forward(context) * self.history.search_cost_scale()
+        if per_forward <= 0:
+            return cap
+        r = self.config.num_reference_tokens
+        fits = math.floor((budget / per_forward - 1.0) * SEARCH_BRANCH_TOKENS_PER_FORWARD / r)
+        fits = max(fits, 0)
+        return fits if cap is None else min(cap, fits)
 
     def optimistic_candidate(self, weights: tuple[int, ...], context: int, num_layers: int) -> ScoredCandidate:
         """An upper bound on any candidate: α as if every reference token matched, and the

@@ -17,9 +17,15 @@ from pipeline.latency_model import LatencyModel
 from pipeline.prompt_lookup import PromptLookupDrafter
 from pipeline.sampling import SamplingParams
 
-# Few reference tokens and a weak prior: tiny models give the DP little to go on.
+# Few reference tokens and a weak prior: tiny models give the DP little to go on. Searches
+# every 6 steps could never fit a 5% time budget; these tests are about what they find.
 CONFIG = KnapSpecConfig(
-    num_reference_tokens=8, reoptimize_every=6, max_draft=4, confidence_threshold=0.0, prior_strength=1.0
+    num_reference_tokens=8,
+    reoptimize_every=6,
+    max_draft=4,
+    confidence_threshold=0.0,
+    prior_strength=1.0,
+    max_search_share=None,
 )
 
 
@@ -178,3 +184,45 @@ def test_later_requests_inherit_ar_verdicts(tiny_deep_llama, monkeypatch):
     second = run(model, prompt, KnapSpecDrafter(lat, CONFIG, history), max_new=5)
     assert calls == [] and second.extra["num_optimizations"] == 0
     assert second.token_ids == first.token_ids
+
+
+def test_search_budget_sets_the_branch_cap():
+    """One search costs about (1 + B·r/12) forwards; it may take 5% of the steps it plans for."""
+    lat = latency(8, verify_growth=0.0)
+    bounded = replace(CONFIG, max_search_share=0.05, reoptimize_every=64, max_branches=4)
+    drafter = KnapSpecDrafter(lat, bounded)
+    # 64 steps: budget 3.2 forwards -> (3.2 - 1)·12/8 = 3.3 -> 3 branches.
+    assert drafter.search_branches(context=100, steps_left=500) == 3
+    assert drafter.search_branches(context=100, steps_left=40) == 1  # 2.0 forwards
+    assert drafter.search_branches(context=100, steps_left=30) == 0  # 1.5: not even one branch
+    assert KnapSpecDrafter(lat, replace(bounded, max_search_share=0.5)).search_branches(100, 500) == 4  # the cap
+    unbounded = replace(bounded, max_search_share=None, max_branches=None)
+    assert KnapSpecDrafter(lat, unbounded).search_branches(100, 5) is None
+    # An engine whose searches ran twice as long as estimated gets half the branches' worth.
+    drafter.history.search_cost_ratios.extend([2.0, 2.0])
+    assert drafter.search_branches(context=100, steps_left=500) == 0
+
+
+def test_short_requests_postpone_the_search_and_stay_exact(tiny_deep_llama, monkeypatch):
+    from pipeline import knapspec
+
+    calls = []
+    real = knapspec.search_candidates
+    monkeypatch.setattr(knapspec, "search_candidates", lambda *a, **k: calls.append(k or a[5]) or real(*a, **k))
+    _, model = load_tiny(tiny_deep_llama)
+    lat = latency(model.spec.num_layers, verify_growth=0.0)
+    prompt = prompt_ids(0)
+    bounded = replace(CONFIG, max_search_share=0.05, reoptimize_every=64)
+    short = run(model, prompt, KnapSpecDrafter(lat, bounded), max_new=20)
+    assert calls == [] and short.extra["num_searches_postponed"] >= 1
+    assert short.token_ids == run(model, prompt, NoDraft(), max_new=20).token_ids
+    drafter = KnapSpecDrafter(lat, bounded)
+    run(model, prompt, drafter, max_new=100)
+    assert calls and calls[0].max_branches == 3  # 64 steps planned: 3 of the 4 branches fit
+    # Every search is timed against its estimate; later caps follow what searches really cost.
+    assert len(drafter.history.search_cost_ratios) == len(calls)
+
+
+def test_search_budget_is_validated():
+    with pytest.raises(Exception, match="max_search_share"):
+        KnapSpecConfig(max_search_share=0.0)
