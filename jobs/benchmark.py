@@ -237,9 +237,29 @@ def main(argv: list[str] | None = None) -> int:
     print(format_tables(records, verify_rows, reference))
     print()
     print(format_summary(summary, reference))
+    if forced:
+        print()
+        print(format_forced(forced))
     if correlation is not None:
         print(f"\nForced DP candidates: Pearson r(predicted, measured TPT) = {correlation:.2f} over {len(forced)}")
     return 0
+
+
+def format_forced(forced: list[dict]) -> str:
+    """The DP's best candidates run as fixed drafts: why the fallback chose what it chose."""
+    lines = [
+        "| doc | context | skipped attn / MLP | γ | α (predicted) | predicted tok/s | predicted vs AR "
+        "| measured tok/s | acceptance |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for f in forced:
+        attn = sum(1 for i in f["skip"] if i % 2 == 0)
+        lines.append(
+            f"| {f['doc_id']} | {f['context_tokens']} | {attn} / {len(f['skip']) - attn} | {f['gamma']} "
+            f"| {f['alpha']:.2f} | {f['predicted_tpt']:.1f} | {f['predicted_vs_ar']:.2f}× "
+            f"| {f['measured_tpt']:.1f} | {f['acceptance_rate']:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def run_order(pairs: list, repeat: int) -> list:
@@ -360,6 +380,7 @@ def forced_candidates(
                 "gamma": plan.gamma,
                 "alpha": plan.alpha,
                 "predicted_tpt": plan.predicted_tpt,
+                "predicted_vs_ar": plan.predicted_tpt / plan.ar_tpt,
                 "measured_tpt": result.stats.tokens_per_s,
                 "acceptance_rate": result.stats.acceptance_rate,
             }

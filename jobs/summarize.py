@@ -174,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
 
     from actors.replica import DATA_CPUS, ReplicaPool, ReplicaResources
     from pipeline import checkpoint
-    from pipeline.documents import find_duplicate_ids, read_documents
+    from pipeline.documents import count_ids, find_duplicate_ids, read_documents
+    from pipeline.errors import ConfigError
     from pipeline.engine import EngineConfig, StrategyConfig
     from pipeline.sampling import SamplingParams
     from pipeline.sink import SummarySink
@@ -205,11 +206,16 @@ def run(args: argparse.Namespace) -> int:
         )
 
         documents = read_documents(spec)
-        duplicates = find_duplicate_ids(documents)
+        id_counts = count_ids(documents)
+        duplicates = find_duplicate_ids(id_counts)
         if duplicates:
             logger.warning("%d ids occur more than once; their rows become errors", len(duplicates))
         if args.ids is not None:
             wanted = args.ids
+            missing = sorted(wanted - id_counts.keys())
+            if missing:
+                shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+                raise ConfigError(f"--ids not in {args.input}: {shown}")
             documents = documents.filter(lambda row: row["id"] in wanted, num_cpus=DATA_TASK_CPUS)
         if args.limit is not None:
             documents = documents.limit(args.limit)

@@ -605,17 +605,24 @@ _FILE_READERS: dict[str, Callable[[Path, str, _Columns, int], Iterator[pa.Table]
 # Checking rows
 
 
-def find_duplicate_ids(ds: ray.data.Dataset) -> dict[str, int]:
-    """Ids that occur more than once, with their counts.
+def count_ids(ds: ray.data.Dataset) -> Counter[str]:
+    """How often each non-empty id occurs.
 
     The ids stream through the driver into one counter: a Ray Data groupby costs several
     seconds of shuffle setup even for a handful of rows, and a counter of ids stays small
-    next to the documents (tens of MB for a million ids). A dict rather than a set so that
-    messages can say how often. Null and empty ids are left out: validate_row reports them.
+    next to the documents (tens of MB for a million ids). Null and empty ids are left out:
+    validate_row reports them.
     """
     counts: Counter[str] = Counter()
     for batch in ds.select_columns(["id"]).iter_batches(batch_format="pyarrow", batch_size=65536):
         counts.update(row_id for row_id in batch.column("id").to_pylist() if row_id)
+    return counts
+
+
+def find_duplicate_ids(ds: ray.data.Dataset | Counter[str]) -> dict[str, int]:
+    """Ids that occur more than once, with their counts (a dict rather than a set so that
+    messages can say how often). Takes the documents, or count_ids' result."""
+    counts = ds if isinstance(ds, Counter) else count_ids(ds)
     return {row_id: count for row_id, count in counts.items() if count > 1}
 
 

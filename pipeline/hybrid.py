@@ -4,6 +4,11 @@ Summaries copy phrases from their document. A copied draft costs no forward, so
 each step the hybrid weighs the lookup draft at hand (its acceptance measured online)
 against the current KnapSpec plan by predicted tokens per time, and drafts with
 whichever wins — falling back, through KnapSpec, to plain decoding.
+
+A copied draft it declines is still scored: the tokens the model emits next say how
+much of it would have been accepted (exactly, under greedy decoding; with the same
+probability, under sampling with a one-hot draft). Without that, a run of early
+misses would stop it copying for the rest of a request, however good later copies got.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class KnapSpecLookupDrafter:
         self._tries = [0] * self.max_draft
         self._reached = [0] * self.max_draft
         self._used_lookup = False
+        # Declined copies awaiting the tokens that score them: (where they start, tokens).
+        self._shadows: list[tuple[int, list[int]]] = []
 
     def expected_accepted(self, gamma: int) -> float:
         """E[copied tokens accepted] for a lookup draft of γ tokens: Σ_j P(positions 0..j accepted)."""
@@ -48,10 +55,33 @@ class KnapSpecLookupDrafter:
             for j in range(gamma)
         )
 
+    def count(self, num_drafted: int, num_accepted: int) -> None:
+        """One copied draft of `num_drafted` tokens whose first `num_accepted` were (or would
+        have been) accepted."""
+        for j in range(num_drafted):
+            self._tries[j] += 1
+            self._reached[j] += j < num_accepted
+
+    def score_declined(self, token_ids: list[int]) -> None:
+        """Score the declined copies whose outcome the emitted tokens now decide."""
+        waiting = []
+        for start, tokens in self._shadows:
+            emitted = token_ids[start : start + len(tokens)]
+            matched = 0
+            while matched < len(emitted) and emitted[matched] == tokens[matched]:
+                matched += 1
+            if matched < len(emitted) or len(emitted) == len(tokens):
+                self.count(len(tokens), matched)
+            else:
+                waiting.append((start, tokens))  # right so far: the next tokens decide
+        self._shadows = waiting
+
     def propose(self, request: DraftRequest) -> Draft:
+        self.score_declined(request.token_ids)
         draft = self.lookup.propose(request)
         self._used_lookup = False
         if draft.token_ids:
+            copied = draft.token_ids
             context = request.cache.length
             # The best prefix of the copied draft by predicted TPT: a shaky copy is cut short.
             tpt_lookup, gamma = max(
@@ -64,6 +94,8 @@ class KnapSpecLookupDrafter:
             if tpt_lookup >= tpt_layers:
                 self._used_lookup = True
                 return draft
+            # The tokens after `pending` will tell how this copy would have done, position by position.
+            self._shadows.append((len(request.token_ids), copied))
         return self.knapspec.propose(request)
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
@@ -71,9 +103,7 @@ class KnapSpecLookupDrafter:
             self.num_lookup_steps += 1
             self.num_lookup_drafted += num_drafted
             self.num_lookup_accepted += num_accepted
-            for j in range(num_drafted):
-                self._tries[j] += 1
-                self._reached[j] += j < num_accepted
+            self.count(num_drafted, num_accepted)
             self.lookup.observe(num_drafted, num_accepted)
         else:
             self.knapspec.observe(num_drafted, num_accepted)

@@ -239,20 +239,20 @@ class KnapSpecDrafter(ReplanningDrafter):
         search = replace(config, max_branches=branches)
         t0 = time.perf_counter()
         candidates = search_candidates(request.model, request.cache, ref_ids, prefix, weights, search, bypass)
-        estimate = self.search_cost(branches, context, scaled=False)
+        estimate = self.search_cost(branches, context)
         if estimate > 0:
             self.history.search_cost_ratios.append((time.perf_counter() - t0) / estimate)
         scored = [self.score(skip, top1, candidates[0][1], context) for skip, top1 in candidates]
         return choose_plan(scored, t_verify, config.max_draft, config.margin)
 
-    def search_cost(self, branches: int | None, context: int, scaled: bool = True) -> float:
-        """Estimated seconds of one DP search with at most `branches` cells per row."""
+    def search_cost(self, branches: int | None, context: int) -> float:
+        """Seconds of one DP search with at most `branches` cells per row, as estimated before
+        the engine's correction by what its searches took."""
         r = self.config.num_reference_tokens
         # Uncapped, the DP keeps every budget it reaches: at most half the total weight + 1 cells.
         if branches is None:
             branches = sum(self.latency.item_weights(context, self.config.weight_cap)) // 2 + 1
-        seconds = self.latency.t_forward(context) * (1.0 + branches * r / SEARCH_BRANCH_TOKENS_PER_FORWARD)
-        return seconds * (self.history.search_cost_scale() if scaled else 1.0)
+        return self.latency.t_forward(context) * (1.0 + branches * r / SEARCH_BRANCH_TOKENS_PER_FORWARD)
 
     def search_branches(self, context: int, steps_left: int) -> int | None:
         """The branch cap that keeps a search within its share of the decode time it plans

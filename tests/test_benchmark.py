@@ -94,4 +94,7 @@ def test_benchmark_writes_records_and_plot(tmp_path):
     assert out["summary"]["ar-control:fp16w"]["rows"] == 1
     assert 1 <= len(out["forced_candidates"]) <= 2
     assert all(f["predicted_tpt"] > 0 and f["measured_tpt"] > 0 for f in out["forced_candidates"])
+    assert all(f["predicted_vs_ar"] > 0 for f in out["forced_candidates"])
+    table = benchmark.format_forced(out["forced_candidates"])
+    assert table.count("| gao-26-109008 |") == len(out["forced_candidates"])
     assert (tmp_path / "benchmark.png").stat().st_size > 10_000

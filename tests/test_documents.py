@@ -18,6 +18,7 @@ from pipeline.documents import (
     DOCUMENT_SCHEMA,
     FORMATS,
     DocumentDatasource,
+    count_ids,
     find_duplicate_ids,
     read_documents,
     resolve_input,
@@ -297,8 +298,11 @@ def test_resolve_input_names_the_splits_of_a_dataset_dict(tmp_path):
 def test_find_duplicate_ids_counts_repeated_non_empty_ids(tmp_path):
     ids = ["a", "b", "a", "a", None, None, "", "", "c", "b"]
     path = write_jsonl(tmp_path / "d.jsonl", [{"id": i, "text": "x"} for i in ids])
-    duplicates = find_duplicate_ids(read_documents(resolve_input(path), rows_per_block=3))
-    assert duplicates == {"a": 3, "b": 2}
+    documents = read_documents(resolve_input(path), rows_per_block=3)
+    counts = count_ids(documents)
+    assert counts == {"a": 3, "b": 2, "c": 1}
+    duplicates = find_duplicate_ids(documents)
+    assert duplicates == find_duplicate_ids(counts) == {"a": 3, "b": 2}
     assert validate_row("a", "x", None, duplicates) == "id 'a' occurs 3 times in the input; ids must be unique"
     assert validate_row("c", "x", None, duplicates) is None
 

@@ -167,6 +167,42 @@ def test_hybrid_counts_copied_runs_per_position():
     assert hybrid.summary()["num_lookup_steps"] == 60
 
 
+def test_hybrid_scores_the_copies_it_declines():
+    hybrid = KnapSpecLookupDrafter(latency(8, verify_growth=0.0), CONFIG, PromptLookupDrafter())
+    prompt = [5, 6, 7, 8]
+    hybrid._shadows = [(4, [1, 2, 3]), (4, [1, 9, 9]), (5, [2, 3, 4]), (5, [7])]
+    hybrid.score_declined(prompt + [1, 2])
+    # [1, 9, 9] missed at position 1 and [7] at 0; [1, 2, 3] and [2, 3, 4] are right so far: they wait.
+    assert hybrid._tries[:3] == [2, 1, 1] and hybrid._reached[:3] == [1, 0, 0]
+    assert hybrid._shadows == [(4, [1, 2, 3]), (5, [2, 3, 4])]
+    hybrid.score_declined(prompt + [1, 2, 3, 5])
+    assert hybrid._tries[:3] == [4, 3, 3] and hybrid._reached[:3] == [3, 2, 1] and hybrid._shadows == []
+
+
+def test_hybrid_keeps_learning_after_early_misses(tiny_deep_llama):
+    """A hybrid that only learned from copies it drafted would stop copying for good after
+    a run of misses; scoring the declined ones lets a copy that starts to pay be taken again."""
+    lat = latency(8, verify_growth=0.3)
+    hybrid = KnapSpecLookupDrafter(lat, CONFIG, PromptLookupDrafter())
+    hybrid._tries[:3] = [20, 20, 20]  # twenty misses in a row
+    assert (1 + hybrid.expected_accepted(1)) / lat.t_verify(2, 100) < 1 / lat.t_verify(1, 100)  # copying loses
+    tokens = list(range(100))
+    for start in range(40, 70):  # then thirty declined copies, each right
+        hybrid._shadows.append((start, tokens[start : start + 3]))
+        hybrid.score_declined(tokens[: start + 3])
+    assert (1 + hybrid.expected_accepted(3)) / lat.t_verify(4, 100) > 1.4 / lat.t_verify(1, 100)  # wins again
+
+    # In decoding: exact tokens, and the copies it declines are scored.
+    _, model = load_tiny(tiny_deep_llama)
+    lat = latency(model.spec.num_layers, verify_growth=0.3)
+    prompt = prompt_ids(5)
+    hybrid = KnapSpecLookupDrafter(lat, CONFIG, PromptLookupDrafter())
+    hybrid._tries[:3] = [20, 20, 20]
+    result = run(model, prompt, hybrid, max_new=40)
+    assert result.token_ids == run(model, prompt, NoDraft(), max_new=40).token_ids
+    assert hybrid.num_lookup_steps == 0 and hybrid._tries[0] > 20
+
+
 def test_later_requests_inherit_ar_verdicts(tiny_deep_llama, monkeypatch):
     from pipeline import knapspec
     from pipeline.knapspec import SearchHistory

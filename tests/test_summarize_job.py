@@ -146,6 +146,13 @@ def test_bad_arguments_stop_before_any_work(args, message, tmp_path):
     assert not (tmp_path / "out" / OUTPUT_NAME).exists()
 
 
+def test_ids_missing_from_the_input_are_named(tmp_path):
+    result = run_job("--output", tmp_path / "out", "--ids", "rfc3986,no-such-doc", timeout=180)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].endswith("sample.jsonl: no-such-doc"), result.stderr[-3000:]
+    assert not (tmp_path / "out" / OUTPUT_NAME).exists()
+
+
 def test_an_earlier_output_is_not_overwritten_silently(tmp_path):
     from pipeline.output import rows_to_table, write_part
     from test_output import ok_row
