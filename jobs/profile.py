@@ -204,6 +204,9 @@ def format_table(calibration: Calibration) -> str:
         f"| t_forward({calibration.reference_context}) model / measured | "
         f"{lat.t_forward(calibration.reference_context) * ms:.2f} / {calibration.t_verify_measured[0] * ms:.2f} ms "
         f"({_percent(residuals.get('t_forward'))}) |",
+        f"| one knapsack search, B·r branch-tokens | t_forward · ({lat.search_base:.2f} + {lat.search_per_token:.4f}·B·r): "
+        f"{lat.t_search(12, calibration.reference_context) * ms:.0f} ms (B = 1) / "
+        f"{lat.t_search(48, calibration.reference_context) * ms:.0f} ms (B = 4) at r = 12 |",
         "",
         "| n | attention ms (measured) | fit ms | attention / MLP | weights attn / MLP |",
         "|---|---|---|---|---|",

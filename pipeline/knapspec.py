@@ -10,7 +10,6 @@ or plain decoding when speculation is not predicted to win.
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import time
 from collections import deque
@@ -34,13 +33,6 @@ from pipeline.tpt import (
 )
 
 logger = logging.getLogger(__name__)
-
-# What one search costs, in full decode forwards: the DP runs every item on B branches of
-# r reference tokens, which cost about as much as one forward plus one per this many
-# branch-tokens (2 CPU cores, SmolLM2 fp16w, 0.5k-7k context: within 15% for B·r = 8..48).
-# Each engine corrects it by what its searches actually took.
-SEARCH_BRANCH_TOKENS_PER_FORWARD = 12.0
-
 
 @dataclass(frozen=True)
 class KnapSpecConfig:
@@ -245,14 +237,10 @@ class KnapSpecDrafter(ReplanningDrafter):
         scored = [self.score(skip, top1, candidates[0][1], context) for skip, top1 in candidates]
         return choose_plan(scored, t_verify, config.max_draft, config.margin)
 
-    def search_cost(self, branches: int | None, context: int) -> float:
-        """Seconds of one DP search with at most `branches` cells per row, as estimated before
-        the engine's correction by what its searches took."""
-        r = self.config.num_reference_tokens
-        # Uncapped, the DP keeps every budget it reaches: at most half the total weight + 1 cells.
-        if branches is None:
-            branches = sum(self.latency.item_weights(context, self.config.weight_cap)) // 2 + 1
-        return self.latency.t_forward(context) * (1.0 + branches * r / SEARCH_BRANCH_TOKENS_PER_FORWARD)
+    def search_cost(self, branches: int, context: int) -> float:
+        """Seconds of one DP search with at most `branches` cells per row, as the latency model
+        predicts it (before the engine's correction by what its searches took)."""
+        return self.latency.t_search(branches * self.config.num_reference_tokens, context)
 
     def search_branches(self, context: int, steps_left: int) -> int | None:
         """The branch cap that keeps a search within its share of the decode time it plans
@@ -262,13 +250,13 @@ class KnapSpecDrafter(ReplanningDrafter):
             return cap
         steps = min(self._interval(), max(steps_left, 1))
         budget = share * steps * self.latency.t_verify(1, context)
-        per_forward = self.latency.t_forward(context) * self.history.search_cost_scale()
-        if per_forward <= 0:
-            return cap
-        r = self.config.num_reference_tokens
-        fits = math.floor((budget / per_forward - 1.0) * SEARCH_BRANCH_TOKENS_PER_FORWARD / r)
-        fits = max(fits, 0)
-        return fits if cap is None else min(cap, fits)
+        scale = self.history.search_cost_scale()
+        # Uncapped, the DP keeps at most one cell per budget: half the total weight, + 1.
+        most = cap if cap is not None else sum(self.latency.item_weights(context, self.config.weight_cap)) // 2 + 1
+        for branches in range(most, 0, -1):
+            if self.search_cost(branches, context) * scale <= budget:
+                return branches
+        return 0
 
     def optimistic_candidate(self, weights: tuple[int, ...], context: int, num_layers: int) -> ScoredCandidate:
         """An upper bound on any candidate: α as if every reference token matched, and the

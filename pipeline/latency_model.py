@@ -7,7 +7,8 @@ and LM head) that no skip set removes. A draft token with skip set S costs
 t_fixed + Σ_{i∉S} t_i, and verifying k tokens in one full forward costs
 t_forward(n) · r_k, where r_k is measured (k = 1..D+1). The knapsack works on integer
 weights w_i = round(t_i / Δ) with Δ = min(t_attn(n), t_mlp), capped as in the
-reference code.
+reference code. One DP search, every row on m branch-tokens (B branches of r
+reference tokens), costs t_forward(n) · (c0 + c1·m), c0 and c1 measured.
 
 Pure arithmetic: the numbers come from `profiling` (microbenchmarks on the device
 that runs the layers).
@@ -35,12 +36,16 @@ class LatencyModel:
     verify_ratios: tuple[float, ...]  # [k - 1]: a full forward of k tokens / one of 1 token
     num_layers: int
     t_hop: float = 0.0  # one pipeline hop between stages; charged by whoever knows the layout
+    # A whole DP search on m branch-tokens costs t_forward(n) · (search_base + search_per_token · m).
+    # The defaults are 2 CPU cores' (SmolLM2 fp16w, 0.5k-7k context); profiling measures them.
+    search_base: float = 1.0
+    search_per_token: float = 1.0 / 12.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verify_ratios", tuple(float(r) for r in self.verify_ratios))
         if self.num_layers < 1:
             raise ValueError(f"a latency model needs at least one layer, got {self.num_layers}")
-        for name in ("attn_slope", "attn_base", "t_mlp", "t_fixed", "t_hop"):
+        for name in ("attn_slope", "attn_base", "t_mlp", "t_fixed", "t_hop", "search_base", "search_per_token"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"latency {name} must be finite and >= 0, got {value}")
@@ -94,6 +99,10 @@ class LatencyModel:
         if not 1 <= k <= self.max_verify:
             raise ValueError(f"verify of {k} tokens is outside the modelled 1..{self.max_verify}")
         return self.t_forward(n) * self.verify_ratios[k - 1]
+
+    def t_search(self, branch_tokens: int, n: int) -> float:
+        """One knapsack DP over every row, each row running `branch_tokens` (B·r) rows at once."""
+        return self.t_forward(n) * (self.search_base + self.search_per_token * branch_tokens)
 
     # --------------------------------------------------------------- weights
 

@@ -113,6 +113,10 @@ class PipelineLatency:
     def t_forward(self, n: int) -> float:
         return self.t_draft((), n)
 
+    def t_search(self, branch_tokens: int, n: int) -> float:
+        """Each stage runs its own rows, then hands the frontier on: one hop per stage boundary."""
+        return sum(stage.t_search(branch_tokens, n) for stage in self.stages) + (len(self.stages) - 1) * self.t_hop
+
     def t_verify(self, k: int, n: int) -> float:
         """Every stage verifies k tokens at its own measured ratio; the hops carry k rows."""
         if not 1 <= k <= self.max_verify:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Bumped whenever a field changes meaning; older files are re-measured, never misread.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the DP search's cost (search_base, search_per_token)
 DEFAULT_LAYOUT = "pp1-tp1"
 _SLUG_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
 _MAX_SLUG = 80

@@ -2,7 +2,9 @@
 
 What is timed is what decoding runs: one token through an attention item at several
 context lengths, through an MLP item, through the embedding + final norm + LM head,
-and full forwards of k = 1..D+1 tokens (a verify). Two choices keep the numbers honest:
+full forwards of k = 1..D+1 tokens (a verify), and the knapsack DP's rows on one and on
+four branches of its reference tokens (what one search costs, relative to a forward).
+Two choices keep the numbers honest:
 
 - Each sample sweeps one item kind over *every* layer in turn and divides by L. Timing
   one layer over and over would find its weights and KV rows in the CPU caches (or
@@ -30,6 +32,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_CONTEXT_LENGTHS = (128, 512, 1024, 2048, 4096)
 DEFAULT_MAX_VERIFY = 11  # D + 1 with the paper's D = 10 drafts
 DEFAULT_REPEATS = 5
+# A search's rows run B branches of r reference tokens: timed at r = 12 with B = 1 and 4.
+SEARCH_REFERENCE_TOKENS = 12
+SEARCH_BRANCH_TOKENS = (12, 48)  # B·r
 # A fit residual above this is reported as a suspect calibration.
 SUSPECT_RESIDUAL = 0.25
 
@@ -57,8 +62,9 @@ def measure(
     lengths = _usable_lengths(context_lengths, model.max_context)
     if reference_context is None:
         reference_context = lengths[len(lengths) // 2]
-    # A verify at the reference context writes positions [ref, ref + max_verify).
-    reference_context = min(reference_context, model.max_context - max_verify)
+    # A verify at the reference context writes positions [ref, ref + max_verify); a search reads
+    # the cache below it and runs its reference tokens on the positions above.
+    reference_context = min(reference_context, model.max_context - max(max_verify, SEARCH_REFERENCE_TOKENS))
     if reference_context < 0:
         raise ConfigError(f"max_verify {max_verify} exceeds this model's {model.max_context}-token context")
 
@@ -88,10 +94,25 @@ def measure(
     def verify(k: int) -> Callable[[], None]:
         return lambda: model.forward(cache, token_ids[:k], reference_context, logits="all")
 
+    def search(branch_tokens: int) -> Callable[[], None]:
+        # Every row of the DP on branch_tokens rows, reading the cache below the reference
+        # tokens, then the LM head on every branch (how the candidates are scored).
+        shape = (branch_tokens // SEARCH_REFERENCE_TOKENS, SEARCH_REFERENCE_TOKENS, spec.hidden_size)
+        branches = torch.randn(shape, generator=generator, device=device).to(model.dtype)  # [B, r, d]
+
+        @torch.inference_mode()
+        def run() -> None:
+            for item in range(spec.num_items):
+                model.run_item_branches(item, branches, cache, reference_context)
+            model.logits(branches.reshape(-1, spec.hidden_size))
+
+        return run
+
     tasks: dict[str, Callable[[], object]] = {f"attn@{n}": sweep(0, n) for n in lengths}
     tasks["mlp"] = sweep(1, 0)
     tasks["fixed"] = fixed
     tasks.update({f"verify@{k}": verify(k) for k in range(1, max_verify + 1)})
+    tasks.update({f"search@{m}": search(m) for m in SEARCH_BRANCH_TOKENS})
     logger.info(
         "calibrating %s (%s) on %s: contexts %s, verify of 1..%d tokens at %d, %d rounds",
         model_name,
@@ -107,6 +128,11 @@ def measure(
     t_attn = [timings[f"attn@{n}"].median / num_layers for n in lengths]
     t_verify = [timings[f"verify@{k}"].median for k in range(1, max_verify + 1)]
     attn_fit = fit_linear(lengths, t_attn)
+    # A search's cost in forwards at the reference context, as c0 + c1·m through the two sizes.
+    t_search = [timings[f"search@{m}"].median / t_verify[0] for m in SEARCH_BRANCH_TOKENS]
+    (m_small, m_large), (s_small, s_large) = SEARCH_BRANCH_TOKENS, t_search
+    search_per_token = max(0.0, (s_large - s_small) / (m_large - m_small))
+    search_base = max(0.0, s_small - search_per_token * m_small)
     latency = LatencyModel(
         attn_slope=attn_fit.slope,
         attn_base=attn_fit.intercept,
@@ -114,6 +140,8 @@ def measure(
         t_fixed=timings["fixed"].median,
         verify_ratios=verify_ratios(t_verify),
         num_layers=num_layers,
+        search_base=search_base,
+        search_per_token=search_per_token,
     )
     residuals = {
         "t_attn": attn_fit.residual,

@@ -234,6 +234,9 @@ def test_search_budget_sets_the_branch_cap():
     assert KnapSpecDrafter(lat, replace(bounded, max_search_share=0.5)).search_branches(100, 500) == 4  # the cap
     unbounded = replace(bounded, max_search_share=None, max_branches=None)
     assert KnapSpecDrafter(lat, unbounded).search_branches(100, 5) is None
+    # A device whose searches cost no more on four branches than on one gets the whole cap.
+    flat = replace(lat, search_base=2.0, search_per_token=0.0)
+    assert KnapSpecDrafter(flat, bounded).search_branches(context=100, steps_left=500) == 4
     # An engine whose searches ran twice as long as estimated gets half the branches' worth.
     drafter.history.search_cost_ratios.extend([2.0, 2.0])
     assert drafter.search_branches(context=100, steps_left=500) == 0

@@ -26,6 +26,14 @@ def test_one_stage_is_the_single_device_model():
         assert piped.t_forward(n) == pytest.approx(single.t_forward(n))
         assert piped.t_draft({0, 3}, n) == pytest.approx(single.t_draft({0, 3}, n))
         assert piped.t_verify(3, n) == pytest.approx(single.t_verify(3, n))
+        assert piped.t_search(24, n) == pytest.approx(single.t_search(24, n))
+
+
+def test_a_search_runs_every_stage_s_rows_and_hands_the_frontier_on():
+    stages = [stage(2), stage(2, speed=3.0)]
+    piped = PipelineLatency.of(stages, t_hop=2 * MS)
+    expected = sum(s.t_forward(500) * (s.search_base + s.search_per_token * 48) for s in stages) + 2 * MS
+    assert piped.t_search(48, 500) == pytest.approx(expected)
 
 
 def test_a_slow_stage_weighs_more():

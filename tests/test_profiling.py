@@ -27,6 +27,7 @@ from profiling.calibration import (
     Calibration,
     CalibrationFormatError,
     CalibrationKey,
+    FORMAT_VERSION,
     CalibrationStore,
     cpu_model_name,
     device_name,
@@ -249,7 +250,7 @@ def test_calibration_json_round_trip(tmp_path):
     calibration = make_calibration()
     path = tmp_path / "sub" / "cal.json"
     calibration.save(path)
-    assert json.loads(path.read_text())["format"] == 1
+    assert json.loads(path.read_text())["format"] == FORMAT_VERSION
     assert Calibration.load(path) == calibration
     assert list(tmp_path.joinpath("sub").iterdir()) == [path]  # no temporary file left behind
 
@@ -368,6 +369,9 @@ def test_measure_on_a_tiny_model(tiny_model, caplog):
     positive = [*calibration.t_attn_measured, *calibration.t_verify_measured, latency.t_mlp, latency.t_fixed]
     assert all(math.isfinite(t) and t > 0 for t in positive)
     assert latency.attn_slope >= 0 and latency.attn_base >= 0 and latency.t_attn(64) > 0
+    # One search on four branches costs more than on one, and more than a forward.
+    assert latency.search_base >= 0 and latency.search_per_token > 0
+    assert latency.t_search(48, 64) > latency.t_search(12, 64) > latency.t_forward(64)
     assert all(math.isfinite(r) and r >= 0 for r in calibration.fit_residuals.values())
     assert set(calibration.fit_residuals) == {"t_attn", "t_forward"}
     assert (calibration.model, calibration.dtype, calibration.layout) == ("tiny", "fp32", "pp1-tp1")
@@ -377,7 +381,8 @@ def test_measure_on_a_tiny_model(tiny_model, caplog):
 
 def test_measure_limits_the_verify_context_to_the_model(tiny_model):
     calibration = microbench.measure(tiny_model, context_lengths=(510,), max_verify=4, repeats=1)
-    assert calibration.reference_context == tiny_model.max_context - 4
+    # Room above it for the verify and for the search's reference tokens.
+    assert calibration.reference_context == tiny_model.max_context - max(4, microbench.SEARCH_REFERENCE_TOKENS)
     with pytest.raises(ConfigError):
         microbench.measure(tiny_model, context_lengths=(600,), repeats=1)
     with pytest.raises(ConfigError):
