@@ -463,3 +463,18 @@ def test_cli_on_the_embedded_model(tmp_path):
     assert calibration.latency.num_layers == 30
     assert [p.name for p in (tmp_path / "store").glob("*.json")] == [calibration.key.file_name()]
     assert "| ratio | 1.00 |" in proc.stdout
+
+
+def test_an_engine_measures_once_and_again_when_forced(tiny_chat_checkpoint, tmp_path, monkeypatch):
+    from pipeline.engine import Engine, EngineConfig
+
+    calls = []
+    real = microbench.measure
+    monkeypatch.setattr(microbench, "measure", lambda *a, **k: calls.append(1) or real(*a, **k, repeats=1))
+    config = EngineConfig(model=str(tiny_chat_checkpoint), dtype="fp32", calibration_dir=tmp_path)
+    engine = Engine(config)
+    first = engine.latency
+    assert engine.latency is first and len(calls) == 1
+    assert Engine(config).latency == first and len(calls) == 1  # stored: a new engine reads it
+    engine.calibrate(force=True)  # a machine whose load changed measures again
+    assert len(calls) == 2 and Engine(config).latency == engine.latency
