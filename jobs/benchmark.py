@@ -430,9 +430,11 @@ def plot(records: list[Record], forced: list[dict], reference: tuple[str, str], 
     axes[0].legend(fontsize=7)
     for strategy, points in sorted(skipped.items()):
         xs = sorted(points)
-        axes[1].plot(xs, [statistics.mean(a for a, _ in points[x]) for x in xs], marker="o", label=f"{strategy} attn")
+        # One colour per strategy: attention solid, MLP dashed.
+        line = axes[1].plot(xs, [statistics.mean(a for a, _ in points[x]) for x in xs], marker="o",
+                            label=f"{strategy} attn")[0]
         axes[1].plot(xs, [statistics.mean(m for _, m in points[x]) for x in xs], marker="x", linestyle="--",
-                     label=f"{strategy} MLP")
+                     color=line.get_color(), label=f"{strategy} MLP")
     axes[1].set(xlabel="context tokens", ylabel="items skipped (speculating plans)", title="What the draft skips")
     axes[1].legend(fontsize=7)
     if forced:
