@@ -231,7 +231,8 @@ class KnapSpecDrafter(ReplanningDrafter):
         search = replace(config, max_branches=branches)
         t0 = time.perf_counter()
         candidates = search_candidates(request.model, request.cache, ref_ids, prefix, weights, search, bypass)
-        estimate = self.search_cost(branches, context)
+        # Unbounded (no cap, no budget), the search's cells are not known beforehand: nothing to correct.
+        estimate = self.search_cost(branches, context) if branches is not None else 0.0
         if estimate > 0:
             self.history.search_cost_ratios.append((time.perf_counter() - t0) / estimate)
         scored = [self.score(skip, top1, candidates[0][1], context) for skip, top1 in candidates]

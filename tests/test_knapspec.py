@@ -262,6 +262,14 @@ def test_short_requests_postpone_the_search_and_stay_exact(tiny_deep_llama, monk
     assert len(drafter.history.search_cost_ratios) == len(calls)
 
 
+def test_an_unbounded_exact_search_runs(tiny_deep_llama):
+    _, model = load_tiny(tiny_deep_llama)
+    exact = KnapSpecDrafter(latency(model.spec.num_layers, 0.0), replace(CONFIG, max_branches=None))
+    prompt = prompt_ids(0)
+    assert run(model, prompt, exact).token_ids == run(model, prompt, NoDraft()).token_ids
+    assert exact.plans and not exact.history.search_cost_ratios
+
+
 def test_search_budget_is_validated():
     with pytest.raises(Exception, match="max_search_share"):
         KnapSpecConfig(max_search_share=0.0)
