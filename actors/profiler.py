@@ -22,8 +22,8 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pipeline.linear import ComputeMode
-from pipeline.pipeline_latency import PipelineLatency
+from pipeline.model.linear import ComputeMode
+from pipeline.knapspec.pipeline_latency import PipelineLatency
 from profiling.calibration import Calibration
 
 logger = logging.getLogger(__name__)
@@ -44,8 +44,8 @@ def measure_device(
     with tensor parallelism, for one rank's share of them."""
     import torch
 
-    from pipeline import checkpoint
-    from pipeline.tensor_parallel import shard_config
+    from pipeline.model import checkpoint
+    from pipeline.parallel.tensor_parallel import shard_config
     from pipeline.throttle import node_sublayer_delay
     from profiling.device_profile import device_calibration
 

@@ -20,7 +20,7 @@ from actors.profiler import start_profilers
 from actors.shard import reserve, stage_bundles
 from pipeline.engine import Engine, EngineConfig, StrategyConfig
 from pipeline.errors import ConfigError
-from pipeline.sampling import SamplingParams
+from pipeline.decoding.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +100,9 @@ class PipelineReplica(EngineReplica):
         the pool; without one the stages reserve their own, removed by `shutdown`."""
         from actors.profiler import calibrate_pipeline
         from actors.shard import start_pipeline
-        from pipeline import checkpoint
+        from pipeline.model import checkpoint
         from pipeline.engine import SEARCHING_STRATEGIES
-        from pipeline.linear import resolve_compute_mode
+        from pipeline.model.linear import resolve_compute_mode
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         if strategy.name in ("hf", "hf-lookup"):

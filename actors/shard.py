@@ -23,11 +23,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pipeline.errors import ConfigError
-from pipeline.linear import ComputeMode
-from pipeline.model_spec import ModelSpec
-from pipeline.staged_model import PipelineModel, StageLayout, StageModel, partition_layers
-from pipeline.sublayer_model import max_context_of, prefill_chunk_for
-from pipeline.tensor_parallel import check_tensor_parallel
+from pipeline.model.linear import ComputeMode
+from pipeline.model.spec import ModelSpec
+from pipeline.parallel.staged_model import PipelineModel, StageLayout, StageModel, partition_layers
+from pipeline.model.sublayer_model import max_context_of, prefill_chunk_for
+from pipeline.parallel.tensor_parallel import check_tensor_parallel
 from pipeline.throttle import node_sublayer_delay
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class ShardActor:
 
         import torch.distributed as dist
 
-        from pipeline.tensor_parallel import all_reduce_sum, collective_backend
+        from pipeline.parallel.tensor_parallel import all_reduce_sum, collective_backend
 
         dist.init_process_group(
             backend=collective_backend(self.device),
@@ -242,7 +242,7 @@ def start_pipeline(
 
     A group reserved here belongs to the job, not to a calling actor: an actor that starts
     stages and may be killed (a coordinator) should be handed a group its creator removes."""
-    from pipeline import checkpoint
+    from pipeline.model import checkpoint
 
     config = checkpoint.load_config(path)
     spec = ModelSpec.from_hf_config(config)

@@ -33,14 +33,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pipeline.decoding import DecodeConfig, decode, prefill
-from pipeline.drafters import LayerSkipDrafter
+from pipeline.decoding.loop import DecodeConfig, decode, prefill
+from pipeline.decoding.drafters import LayerSkipDrafter
 from pipeline.engine import STRATEGIES, Engine, EngineConfig, StrategyConfig
 from pipeline.errors import KnapSpecError
-from pipeline.knapspec import KnapSpecConfig, KnapSpecDrafter, search_candidates
-from pipeline.prompts import build_prompt
-from pipeline.sampling import SamplingParams
-from pipeline.tpt import choose_plan
+from pipeline.knapspec.drafter import KnapSpecConfig, KnapSpecDrafter, search_candidates
+from pipeline.summarization.prompts import build_prompt
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.knapspec.tpt import choose_plan
 
 logger = logging.getLogger("benchmark")
 
@@ -500,7 +500,7 @@ def pipeline_throughput(args: argparse.Namespace) -> int:
     name, dtype = args.strategies.split(",")[0].split(":") if ":" in args.strategies else ("ar", "fp16w")
     ray.init(address="local", include_dashboard=False)
     try:
-        from pipeline import checkpoint
+        from pipeline.model import checkpoint
 
         engine_config = EngineConfig(model=args.model, dtype=dtype)
         path = checkpoint.resolve_checkpoint(args.model)

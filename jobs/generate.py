@@ -26,15 +26,15 @@ import os
 
 import torch
 
-from pipeline import checkpoint
+from pipeline.model import checkpoint
 from pipeline.cli import Parser, positive_int, usage_error
-from pipeline.drafters import DEFAULT_MAX_DRAFT
+from pipeline.decoding.drafters import DEFAULT_MAX_DRAFT
 from pipeline.engine import SEARCHING_STRATEGIES, STRATEGIES, Engine, EngineConfig, StrategyConfig
 from pipeline.errors import ConfigError, KnapSpecError, RowError
-from pipeline.linear import DTYPE_CHOICES, resolve_compute_mode
-from pipeline.prompt_lookup import DEFAULT_LOOKUP_MAX_DRAFT
-from pipeline.prompts import DEFAULT_INSTRUCTION, build_prompt
-from pipeline.sampling import SamplingParams
+from pipeline.model.linear import DTYPE_CHOICES, resolve_compute_mode
+from pipeline.decoding.prompt_lookup import DEFAULT_LOOKUP_MAX_DRAFT
+from pipeline.summarization.prompts import DEFAULT_INSTRUCTION, build_prompt
+from pipeline.decoding.sampling import SamplingParams
 
 logger = logging.getLogger("generate")
 
@@ -243,8 +243,8 @@ def _check_settings(args: argparse.Namespace) -> tuple[StrategyConfig, SamplingP
     if args.model is not None and args.model != checkpoint.EMBEDDED_MODEL:
         checkpoint.resolve_checkpoint(args.model)  # a bad folder fails here, not after the imports of a load
     if args.tensor_parallel > 1:
-        from pipeline.model_spec import ModelSpec
-        from pipeline.tensor_parallel import check_tensor_parallel
+        from pipeline.model.spec import ModelSpec
+        from pipeline.parallel.tensor_parallel import check_tensor_parallel
 
         config = checkpoint.load_config(checkpoint.resolve_checkpoint(args.model))
         check_tensor_parallel(ModelSpec.from_hf_config(config), args.tensor_parallel)

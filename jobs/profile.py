@@ -31,11 +31,11 @@ import logging  # noqa: E402
 
 import torch  # noqa: E402
 
-from pipeline import checkpoint  # noqa: E402
+from pipeline.model import checkpoint  # noqa: E402
 from pipeline.cli import Parser, positive_int, usage_error  # noqa: E402
 from pipeline.engine import Engine, EngineConfig  # noqa: E402
 from pipeline.errors import ConfigError, KnapSpecError  # noqa: E402
-from pipeline.linear import DTYPE_CHOICES, resolve_compute_mode  # noqa: E402
+from pipeline.model.linear import DTYPE_CHOICES, resolve_compute_mode  # noqa: E402
 from profiling import microbench  # noqa: E402
 from profiling.calibration import DEFAULT_LAYOUT, Calibration, CalibrationKey, CalibrationStore  # noqa: E402
 
@@ -131,7 +131,7 @@ def run_cluster(args: argparse.Namespace) -> tuple[list[dict], list[Calibration]
     import ray
 
     from actors.profiler import echo_on, start_profilers
-    from pipeline.model_spec import ModelSpec
+    from pipeline.model.spec import ModelSpec
 
     path = checkpoint.resolve_checkpoint(args.model, args.cache_dir)
     device = torch.device(args.device)

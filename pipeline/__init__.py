@@ -1,4 +1,11 @@
-"""The KnapSpec engine: sublayer model runner, KV cache, draft/verify decoding.
+"""The KnapSpec engine, in rooms by concern (each subpackage's docstring says what it may import):
 
-Everything here is plain PyTorch and imports without Ray.
+- `model/`: shapes, checkpoints, linears, KV cache, the sublayer runner;
+- `decoding/`: the draft/verify loop, sampling and acceptance, drafters, statistics;
+- `knapspec/`: latency model, knapsack DP, TPT plan, the KnapSpec drafters and baselines;
+- `parallel/`: pipeline stages and tensor-parallel slices of one model;
+- `summarization/`: the summarization job's data stages;
+- `engine.py`: the front door — load a model once, generate with any strategy.
+
+Nothing here imports `actors`, `jobs` or `profiling`.
 """

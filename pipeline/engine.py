@@ -20,19 +20,19 @@ from pathlib import Path
 
 import torch
 
-from pipeline import checkpoint
-from pipeline.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter
-from pipeline.decoding import DecodeConfig, GenerationResult, GenerationStats, Prefilled, decode, prefill
-from pipeline.drafters import DEFAULT_MAX_DRAFT, Drafter, LayerSkipDrafter, NoDraft, default_static_skip
+from pipeline.model import checkpoint
+from pipeline.knapspec.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter
+from pipeline.decoding.loop import DecodeConfig, GenerationResult, GenerationStats, Prefilled, decode, prefill
+from pipeline.decoding.drafters import DEFAULT_MAX_DRAFT, Drafter, LayerSkipDrafter, NoDraft, default_static_skip
 from pipeline.errors import ConfigError
-from pipeline.hf_reference import prepare_hf_model, run_hf_generate
-from pipeline.hybrid import KnapSpecLookupDrafter
-from pipeline.knapspec import KnapSpecConfig, KnapSpecDrafter, SearchHistory
-from pipeline.latency_model import LatencyModel
-from pipeline.linear import ComputeMode, resolve_compute_mode
-from pipeline.prompt_lookup import DEFAULT_LOOKUP_MAX_DRAFT, DEFAULT_MAX_NGRAM, PromptLookupDrafter
-from pipeline.sampling import SamplingParams
-from pipeline.sublayer_model import SublayerModel
+from pipeline.decoding.hf_reference import prepare_hf_model, run_hf_generate
+from pipeline.knapspec.hybrid import KnapSpecLookupDrafter
+from pipeline.knapspec.drafter import KnapSpecConfig, KnapSpecDrafter, SearchHistory
+from pipeline.knapspec.latency import LatencyModel
+from pipeline.model.linear import ComputeMode, resolve_compute_mode
+from pipeline.decoding.prompt_lookup import DEFAULT_LOOKUP_MAX_DRAFT, DEFAULT_MAX_NGRAM, PromptLookupDrafter
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.model.sublayer_model import SublayerModel
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import os
 import time
 
 from pipeline.errors import ConfigError
-from pipeline.sublayer_model import SublayerModel
+from pipeline.model.sublayer_model import SublayerModel
 
 SUBLAYER_DELAY_ENV = "KNAPSPEC_TEST_SUBLAYER_DELAY_S"
 

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline import checkpoint
-from pipeline.latency_model import LatencyModel
+from pipeline.model import checkpoint
+from pipeline.knapspec.latency import LatencyModel
 
 if TYPE_CHECKING:
-    from pipeline.sublayer_model import SublayerModel
+    from pipeline.model.sublayer_model import SublayerModel
 
 logger = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ import math
 
 import torch
 
-from pipeline.latency_model import LatencyModel
-from pipeline.linear import ComputeMode
-from pipeline.model_spec import ModelSpec
-from pipeline.sublayer_model import SublayerModel
+from pipeline.knapspec.latency import LatencyModel
+from pipeline.model.linear import ComputeMode
+from pipeline.model.spec import ModelSpec
+from pipeline.model.sublayer_model import SublayerModel
 from pipeline.throttle import throttle
 from profiling.calibration import Calibration, CalibrationKey, CalibrationStore
 

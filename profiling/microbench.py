@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pipeline.errors import ConfigError
-from pipeline.latency_model import LatencyModel
-from pipeline.sublayer_model import SublayerModel
+from pipeline.knapspec.latency import LatencyModel
+from pipeline.model.sublayer_model import SublayerModel
 from profiling.calibration import DEFAULT_LAYOUT, Calibration, device_name
 from profiling.fit import fit_linear, relative_rms
 from profiling.timer import benchmark_interleaved, timer_for

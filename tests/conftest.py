@@ -2,80 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
-import torch
 
 # Ray reads this once, when it is imported: every cluster a test starts stays on 127.0.0.1.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-REPO = Path(__file__).resolve().parent.parent
-SAMPLE_DOCS = REPO / "data" / "sample.jsonl"
-
-# Big enough for grouped-query attention and a few layers, small enough to run in milliseconds.
-TINY_COMMON = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-)
-
-TINY_FAMILIES = {
-    "llama": dict(model_type="llama"),
-    "qwen3": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=True),  # head_dim != hidden / heads
-    "qwen2": dict(model_type="qwen2"),  # q/k/v biases
-    "mistral": dict(model_type="mistral", sliding_window=None),
-}
-
-
-def make_tiny_checkpoint(
-    path: Path,
-    family: str,
-    seed: int = 0,
-    init_scale: float = 1.0,
-    logit_scale: float = 5.0,
-    quiet_layers: tuple[int, ...] = (),
-    **overrides,
-) -> Path:
-    """A random model of `family`, saved with save_pretrained (safetensors) as a user would have it.
-
-    Weights are drawn larger than at initialization so that the model is confident and
-    greedy choices are far from ties, as a trained model's usually are.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    settings = dict(TINY_COMMON, **TINY_FAMILIES[family], **overrides)
-    model_type = settings.pop("model_type")
-    config = AutoConfig.for_model(model_type, **settings)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif "lm_head" in name or "embed_tokens" in name:
-                p.normal_(0.0, logit_scale / p.shape[-1] ** 0.5)
-            else:
-                p.normal_(0.0, init_scale / p.shape[-1] ** 0.5)
-        # Trained models are redundant: some sublayers barely move the residual stream,
-        # which is what makes skipping them cheap in agreement. Random models are not.
-        for layer in quiet_layers:
-            block = model.model.layers[layer]
-            block.self_attn.o_proj.weight.mul_(0.05)
-            block.mlp.down_proj.weight.mul_(0.05)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+from tests.builders import TINY_FAMILIES, make_tiny_chat_checkpoint, make_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session", params=sorted(TINY_FAMILIES))
@@ -96,96 +31,11 @@ def tiny_deep_llama(tmp_path_factory) -> Path:
     )
 
 
-def load_tiny(path: Path, mode: str = "fp32"):
-    """(HF model, our SublayerModel) of a tiny checkpoint."""
-    from pipeline import checkpoint
-    from pipeline.linear import ComputeMode
-    from pipeline.sublayer_model import SublayerModel
-
-    config = checkpoint.load_config(path)
-    model = SublayerModel.from_tensors(config, checkpoint.read_tensors(path), ComputeMode(mode))
-    return checkpoint.load_hf_model(path), model
-
-
-def sample_documents() -> list[dict]:
-    return [json.loads(line) for line in SAMPLE_DOCS.read_text().splitlines() if line.strip()]
-
-
 @pytest.fixture(scope="session")
 def embedded_engine_fp32():
     from pipeline.engine import Engine, EngineConfig
 
     return Engine(EngineConfig(dtype="fp32"))
-
-
-def chi_square_p_value(counts: dict, exact: dict, num_samples: int) -> float:
-    """Goodness of fit of sampled sequences to their exact probabilities, rare cells merged
-    so that every expected count is at least 5."""
-    from scipy.stats import chisquare
-
-    observed, expected, rest_o, rest_e = [], [], 0, 0.0
-    for cell in sorted(exact, key=exact.get, reverse=True):
-        e = exact[cell] * num_samples
-        if e >= 5:
-            observed.append(counts.get(cell, 0))
-            expected.append(e)
-        else:
-            rest_o += counts.get(cell, 0)
-            rest_e += e
-    if rest_e > 0:
-        # Fold the remainder into the smallest kept cell, so it too has an expected count >= 5.
-        observed[-1] += rest_o
-        expected[-1] += rest_e
-    scale = sum(observed) / sum(expected)
-    return chisquare(observed, [e * scale for e in expected]).pvalue
-
-
-def exact_joint_law(model, prompt: torch.Tensor, params) -> dict[tuple[int, int, int], float]:
-    """P(t1, t2, t3) of plain sampling after `prompt`, over every sequence of nonzero probability."""
-    from pipeline.sampling import probabilities
-
-    def dist(prefix: list[int]) -> torch.Tensor:
-        cache = model.new_cache(prompt.numel() + 3)
-        return probabilities(model.prefill(cache, torch.tensor(prompt.tolist() + prefix)), params)
-
-    exact = {}
-    p1 = dist([])
-    for t1 in p1.nonzero().flatten().tolist():
-        p2 = dist([t1])
-        for t2 in p2.nonzero().flatten().tolist():
-            p3 = dist([t1, t2])
-            for t3 in p3.nonzero().flatten().tolist():
-                exact[(t1, t2, t3)] = (p1[t1] * p2[t2] * p3[t3]).item()
-    return exact
-
-
-# The tokenizer files of a chat model, copied next to a tiny model's weights.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-
-
-def make_tiny_chat_checkpoint(path: Path, **overrides) -> Path:
-    """A tiny random Llama that uses the embedded model's real tokenizer and chat template:
-    whole jobs (tokenize, chunk, prompt, generate, decode) run on it in seconds."""
-    import shutil
-
-    from pipeline import checkpoint
-
-    from safetensors.torch import load_file, save_file
-
-    embedded = checkpoint.resolve_checkpoint(None)
-    tokenizer = checkpoint.load_tokenizer(embedded)
-    settings = dict(vocab_size=len(tokenizer), max_position_embeddings=4096, num_hidden_layers=2)
-    make_tiny_checkpoint(path, "llama", **(settings | overrides))
-    for name in _TOKENIZER_FILES:
-        if (embedded / name).is_file():
-            shutil.copy(embedded / name, path / name)
-    # A random model soon repeats one token, often a newline or an end token, and its
-    # "summaries" would be empty. Zeroed head rows keep those tokens below the visible ones.
-    weights = load_file(path / "model.safetensors")
-    invisible = [i for i in range(len(tokenizer)) if not tokenizer.decode([i], skip_special_tokens=True).strip()]
-    weights["lm_head.weight"][invisible] = 0.0
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,138 @@
+"""Drafters: what proposes tokens for the full model to verify.
+
+A self-speculative drafter runs the model with a set of items (sublayers) skipped.
+It stops early when its own top-1 probability falls below a confidence threshold
+(KnapSpec and SWIFT use 0.7): a doubtful draft token is usually rejected, and every
+drafted token costs a forward of the draft model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pipeline.errors import ConfigError
+from pipeline.model.kv_cache import KVCache
+from pipeline.decoding.sampling import SamplingParams, probabilities, sample
+from pipeline.model.sublayer_model import SublayerModel
+
+DEFAULT_MAX_DRAFT = 4
+DEFAULT_CONFIDENCE_THRESHOLD = 0.7
+
+
+@dataclass
+class Draft:
+    token_ids: list[int]
+    probs: torch.Tensor | None = None  # [n, V] draft distributions; only when sampling
+
+
+@dataclass
+class DraftRequest:
+    """What a drafter may use to propose the tokens after `pending`."""
+
+    model: SublayerModel
+    cache: KVCache  # committed up to `pending`, whose own position is cache.length
+    token_ids: list[int]  # prompt and emitted tokens, ending with `pending`
+    max_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    eos_token_ids: Collection[int]
+
+    @property
+    def pending(self) -> int:
+        return self.token_ids[-1]
+
+
+class Drafter(Protocol):
+    max_draft: int
+
+    def propose(self, request: DraftRequest) -> Draft:
+        """Up to `request.max_tokens` tokens to follow `request.pending`. May write K/V
+        beyond `cache.length`; verification overwrites them."""
+        ...
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        """Feedback after verification."""
+        ...
+
+
+class NoDraft:
+    """Plain autoregressive decoding."""
+
+    max_draft = 0
+
+    def propose(self, request: DraftRequest) -> Draft:
+        return Draft([])
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        pass
+
+
+class LayerSkipDrafter:
+    """Drafts with the model minus the items in `skip`."""
+
+    def __init__(
+        self,
+        skip: Iterable[int],
+        num_items: int,
+        max_draft: int = DEFAULT_MAX_DRAFT,
+        confidence_threshold: float = DEFAULT_CONFIDENCE_THRESHOLD,
+    ) -> None:
+        self.skip = frozenset(validate_skip(skip, num_items))
+        if max_draft < 1:
+            raise ConfigError(f"max_draft must be >= 1, got {max_draft}")
+        self.max_draft = max_draft
+        self.confidence_threshold = confidence_threshold
+
+    def propose(self, request: DraftRequest) -> Draft:
+        model, cache, params = request.model, request.cache, request.params
+        tokens: list[int] = []
+        dists: list[torch.Tensor] = []
+        token = request.pending
+        for j in range(min(self.max_draft, request.max_tokens)):
+            logits = model.forward(
+                cache, torch.tensor([token], device=model.device), cache.length + j, skip=self.skip, logits="last"
+            ).logits[0]
+            if params.greedy:
+                token = int(logits.argmax())
+                confidence = torch.softmax(logits, dim=-1)[token].item()
+            else:
+                q = probabilities(logits, params)
+                token = sample(q, request.generator)
+                confidence = q.max().item()
+                dists.append(q)
+            if confidence < self.confidence_threshold:
+                if dists:
+                    dists.pop()
+                break
+            tokens.append(token)
+            if token in request.eos_token_ids:
+                break
+        probs = torch.stack(dists) if dists else None
+        return Draft(tokens, probs)
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        pass
+
+
+def validate_skip(skip: Iterable[int], num_items: int) -> list[int]:
+    items = sorted(set(skip))
+    bad = [i for i in items if not 0 <= i < num_items]
+    if bad:
+        raise ConfigError(f"skip items {bad} are out of range: this model has items 0..{num_items - 1}")
+    return items
+
+
+def default_static_skip(num_layers: int, fraction: float = 0.25) -> list[int]:
+    """A fixed skip set: attention items of early-middle layers.
+
+    Screening fixed sets on SmolLM2 found early-middle attention the least harmful
+    to skip; the first and last layers are always kept (as in KnapSpec's DP).
+    """
+    num_skip = max(1, round(fraction * num_layers))
+    first = max(1, num_layers // 10)
+    layers = range(first, min(num_layers - 1, first + num_skip))
+    return [2 * i for i in layers]

@@ -1,0 +1,100 @@
+"""Hugging Face `generate()` as the outside reference for speed and greedy output."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.model.linear import ComputeMode
+from pipeline.decoding.sampling import SamplingParams
+
+
+def prepare_hf_model(model, mode: ComputeMode):
+    """Put a float32 transformers model into `mode`, so it compares like with like."""
+    if mode is ComputeMode.BF16:
+        return model.to(torch.bfloat16)
+    if mode is ComputeMode.FP16W:
+        # Same FBGEMM fp16-weight kernels as our fp16w linears (also for prefill, where ours keep fp32).
+        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.float16)
+    return model
+
+
+@dataclass
+class HFRun:
+    token_ids: list[int]  # the new tokens
+    prefill_s: float
+    decode_s: float
+    num_forwards: int  # full-model forwards after the prefill one
+
+
+class _FirstTokenClock:
+    """A streamer that notes when the first new token arrives (the end of prefill).
+
+    generate() streams once per forward (a whole accepted run in assisted decoding), so
+    its calls also count the forwards.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:  # the first call carries the prompt
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def run_hf_generate(
+    model,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    eos_token_ids: Collection[int],
+    params: SamplingParams,
+    pad_token_id: int | None,
+    prompt_lookup_num_tokens: int | None = None,
+    max_matching_ngram_size: int | None = None,
+) -> HFRun:
+    """Run `generate()`, with transformers' own prompt lookup when `prompt_lookup_num_tokens` is set.
+
+    Transformers' lookup differs from ours: it takes the earliest match, not the most
+    recent, and falls back to single-token matches; `max_matching_ngram_size` is its
+    longest n-gram (default 2). In assisted decoding the prefill forward also verifies
+    the first draft, so `prefill_s` then includes up to that many extra positions.
+    """
+    from transformers import GenerationConfig
+
+    generation_config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=not params.greedy,
+        temperature=params.temperature if not params.greedy else None,
+        top_p=params.top_p if not params.greedy else None,
+        top_k=params.top_k if not params.greedy else None,
+        eos_token_id=sorted(eos_token_ids),
+        pad_token_id=pad_token_id,
+        num_beams=1,
+        prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+        max_matching_ngram_size=max_matching_ngram_size,
+    )
+    if not params.greedy and params.seed is not None:
+        torch.manual_seed(params.seed)
+    input_ids = prompt_ids[None].to(model.device)
+    # The prompt's own <|im_end|> tokens equal the pad id in chat models: an explicit
+    # all-ones mask stops generate() from masking them out.
+    attention_mask = torch.ones_like(input_ids)
+    clock = _FirstTokenClock()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids, attention_mask=attention_mask, generation_config=generation_config, streamer=clock
+        )
+    t1 = time.perf_counter()
+    first = clock.first_token_at or t1
+    # Calls: the prompt, then one per forward; the first forward is the prefill.
+    num_forwards = max(clock.calls - 2, 0)
+    return HFRun(out[0, input_ids.shape[1] :].tolist(), first - t0, t1 - first, num_forwards)

@@ -1,0 +1,434 @@
+"""A model cut into pipeline stages, and the view of it that the draft/verify loop drives.
+
+`StageModel` is one stage: decoder layers [first, end) of a checkpoint — stage 0 also the
+embeddings, the last stage also the final norm and LM head — built from only those
+tensors, holding the KV caches of the requests it serves. It is plain PyTorch; a Ray
+actor (actors/shard.py) places it on a device.
+
+`PipelineModel` presents a list of stages with the interface of `SublayerModel` that
+`decoding.decode`, the drafters and the KnapSpec search use (forward, prefill, logits,
+embed_tokens, run_item_branches, new_cache), so every strategy runs over a pipeline
+unchanged and produces the same tokens. Only token ids and hidden states cross stages.
+A stage whose items a draft skips entirely (and that holds neither the embeddings nor
+the head) is bypassed: no hop.
+
+Stages are reached through links: `LocalLink` calls a StageModel in this process (tests,
+one machine), `actors.shard.RayLink` calls a ShardActor; both return values or futures
+that the next stage can take as arguments, so a forward chains stages without waiting
+in between.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from pipeline.model import checkpoint
+from pipeline.errors import ConfigError
+from pipeline.knapspec.knapsack import Frontier, KnapsackProblem, advance, branch_runner
+from pipeline.model.kv_cache import KVCache
+from pipeline.knapspec.latency import LatencyModel
+from pipeline.model.linear import ComputeMode
+from pipeline.model.spec import ModelSpec
+from pipeline.knapspec.pipeline_latency import PipelineLatency
+from pipeline.model.sublayer_model import ForwardOutput, SublayerModel, check_context, prefill_in_chunks
+from pipeline.parallel.tensor_parallel import shard_config, shard_reader
+from pipeline.throttle import throttle
+
+logger = logging.getLogger(__name__)
+
+_LAYER_PREFIX = "model.layers."
+
+
+# ----------------------------------------------------------------------------- partition
+
+
+def partition_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges [first, end), as even as possible, earlier stages one layer
+    longer when it does not divide (the last stage also runs the LM head)."""
+    if not 1 <= num_stages <= num_layers:
+        raise ConfigError(f"cannot cut {num_layers} layers into {num_stages} pipeline stages")
+    base, extra = divmod(num_layers, num_stages)
+    bounds = list(itertools.accumulate([base + (i < extra) for i in range(num_stages)], initial=0))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    index: int
+    num_stages: int
+    first_layer: int
+    end_layer: int
+
+    @property
+    def has_embeddings(self) -> bool:
+        return self.index == 0
+
+    @property
+    def has_head(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    @property
+    def items(self) -> range:
+        return range(2 * self.first_layer, 2 * self.end_layer)
+
+
+def stage_tensor_filter(layout: StageLayout, tie_word_embeddings: bool) -> Callable[[str], bool]:
+    """Which checkpoint tensors a stage reads: its layers, and the embeddings / head it runs."""
+
+    def keep(name: str) -> bool:
+        if name.startswith(_LAYER_PREFIX):
+            layer = int(name[len(_LAYER_PREFIX) :].split(".", 1)[0])
+            return layout.first_layer <= layer < layout.end_layer
+        if name == "model.embed_tokens.weight":
+            return layout.has_embeddings or (layout.has_head and tie_word_embeddings)
+        if name in ("model.norm.weight", "lm_head.weight"):
+            return layout.has_head
+        return False
+
+    return keep
+
+
+# --------------------------------------------------------------------------------- stage
+
+
+class StageModel:
+    """Layers [first, end) of a model, their KV caches per request, and (first/last stage)
+    the embeddings and head. Items and layers are numbered as in the whole model."""
+
+    def __init__(
+        self,
+        path: Path,
+        layout: StageLayout,
+        mode: ComputeMode,
+        device: torch.device | str = "cpu",
+        sublayer_delay_s: float = 0.0,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        """`sublayer_delay_s` > 0 makes every attention and MLP call wait that long: a slower
+        device, for tests of heterogeneous pipelines (pipeline/throttle.py). With `tp_size` > 1
+        this is rank `tp_rank` of the stage's tensor-parallel group: it reads and holds only
+        its share of the heads and MLP columns, and sums partial results through `local.reduce`
+        (set once the group is joined)."""
+        config = checkpoint.load_config(path)
+        spec = ModelSpec.from_hf_config(config)
+        if layout.end_layer > spec.num_layers:
+            raise ConfigError(f"stage layers [{layout.first_layer}, {layout.end_layer}) exceed the model's {spec.num_layers}")
+        self.layout = layout
+        self.full_spec = spec
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        tensors = checkpoint.read_tensors(
+            path,
+            keep=stage_tensor_filter(layout, spec.tie_word_embeddings),
+            read=shard_reader(tp_rank, tp_size) if tp_size > 1 else None,
+        )
+        self.loaded_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        local_config = shard_config(config, tp_size)
+        self.local = SublayerModel.from_tensors(*_local_view(local_config, spec, layout, tensors), mode, device)
+        self.caches: dict[str, KVCache] = {}
+        self.model_name = path.name
+        throttle(self.local, sublayer_delay_s)
+
+    # Requests' caches. Positions are the request's; a cache holds only this stage's layers.
+
+    def new_cache(self, request_id: str, capacity: int) -> None:
+        self.caches[request_id] = self.local.new_cache(capacity)
+
+    def free(self, request_id: str) -> None:
+        self.caches.pop(request_id, None)
+
+    def copy_cache(self, source: str, target: str) -> None:
+        self.caches[target] = self.caches[source].copy()
+
+    def forward(
+        self,
+        request_id: str,
+        inputs: torch.Tensor,
+        start: int,
+        skip: Collection[int] = (),
+        logits: str = "none",
+        return_hidden: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token ids (stage 0) or the residual stream [T, d] in; out the residual stream, or
+        the logits when this stage has the head and `logits` is not "none"; and, when asked,
+        the residual stream after each of this stage's items [2 * layers, T, d]."""
+        local_skip = {item - 2 * self.layout.first_layer for item in skip if item in self.layout.items}
+        h = self.local.embed_tokens(inputs) if self.layout.has_embeddings else inputs
+        h, hidden = self.local.run_layers(self.caches[request_id], h, start, local_skip, return_hidden)
+        if self.layout.has_head and logits != "none":
+            return self.local.logits(h[-1:] if logits == "last" else h), hidden
+        return h, hidden
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.local.embed_tokens(token_ids)
+
+    def echo(self, value):
+        """Returns its argument: the cost of a hop without the work."""
+        return value
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.local.logits(h)
+
+    def run_item_branches(self, item: int, h: torch.Tensor, request_id: str, prefix_len: int) -> torch.Tensor:
+        return self.local.run_item_branches(
+            item - 2 * self.layout.first_layer, h, self.caches[request_id], prefix_len
+        )
+
+    @torch.inference_mode()
+    def knapsack_rows(
+        self,
+        request_id: str,
+        frontier: Frontier | torch.Tensor,
+        problem: KnapsackProblem,
+        prefix_len: int,
+        layer_rows: bool = False,
+    ) -> Frontier:
+        """This stage's rows of the knapsack DP: the frontier from the previous stage in (stage 0:
+        the reference tokens' ids), the frontier after this stage's last row out."""
+        layout, cache = self.layout, self.caches[request_id]
+        if layout.has_embeddings:
+            frontier = Frontier.start(self.local.embed_tokens(frontier))
+        per_layer = 1 if layer_rows else 2
+        first = per_layer * layout.first_layer
+        run_local = branch_runner(lambda item, h: self.local.run_item_branches(item, h, cache, prefix_len), layer_rows)
+        for row in range(first, per_layer * layout.end_layer):
+            frontier = advance(frontier, row, problem, lambda row, h: run_local(row - first, h))
+        return frontier
+
+
+def _local_view(config, spec: ModelSpec, layout: StageLayout, tensors: dict[str, torch.Tensor]):
+    """The stage as a small model of its own: its layers renumbered from 0; the embeddings,
+    final norm and head replaced by one-row placeholders where the stage does not run them
+    (they are never used there, and cost nothing)."""
+    local = {}
+    for name, tensor in tensors.items():
+        if name.startswith(_LAYER_PREFIX):
+            layer, rest = name[len(_LAYER_PREFIX) :].split(".", 1)
+            name = f"{_LAYER_PREFIX}{int(layer) - layout.first_layer}.{rest}"
+        local[name] = tensor
+    local_config = copy.deepcopy(config)
+    local_config.num_hidden_layers = layout.end_layer - layout.first_layer
+    if not layout.has_embeddings and not (layout.has_head and spec.tie_word_embeddings):
+        local_config.vocab_size = 1  # the one-row placeholder embeddings: token 0 only
+    if not layout.has_head:
+        local["model.norm.weight"] = torch.ones(spec.hidden_size)
+        local_config.tie_word_embeddings = True
+    local.setdefault("model.embed_tokens.weight", torch.zeros(1, spec.hidden_size))
+    if layout.has_head and not spec.tie_word_embeddings and "lm_head.weight" not in local:
+        raise ConfigError("checkpoint has no lm_head.weight and does not tie it to the embeddings")
+    return local_config, local
+
+
+# ------------------------------------------------------------------------------- links
+
+
+class StageLink(Protocol):
+    """How the pipeline reaches a stage: `call` returns a value or a future of it."""
+
+    def call(self, method: str, *args: Any, num_returns: int = 1) -> Any: ...
+
+    def get(self, value: Any) -> Any: ...
+
+
+class LocalLink:
+    """A stage in this process."""
+
+    def __init__(self, stage: StageModel) -> None:
+        self.stage = stage
+
+    def call(self, method: str, *args: Any, num_returns: int = 1) -> Any:
+        return getattr(self.stage, method)(*args)
+
+    def get(self, value: Any) -> Any:
+        return value
+
+
+# ---------------------------------------------------------------------------- pipeline
+
+
+class PipelineCache:
+    """A request's KV cache spread over the stages; the committed length is kept here.
+
+    Stages write keys/values at the positions a forward names, so only the coordinator
+    needs the length: accepting tokens and rolling back rejected drafts cost no hop."""
+
+    _ids = itertools.count()
+
+    def __init__(self, pipeline: PipelineModel, capacity: int, request_id: str | None = None) -> None:
+        self.pipeline = pipeline
+        self.capacity = capacity
+        self.length = 0
+        self.request_id = request_id or f"req-{next(self._ids)}"
+
+    def check_room(self, end: int) -> None:
+        if end > self.capacity:
+            raise ConfigError(f"KV cache of {self.capacity} positions has no room up to {end}")
+
+    def advance(self, num_tokens: int) -> None:
+        self.length += num_tokens
+
+    def commit(self, length: int) -> None:
+        self.length = length
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def copy(self) -> PipelineCache:
+        twin = PipelineCache(self.pipeline, self.capacity)
+        for link in self.pipeline.links:
+            link.call("copy_cache", self.request_id, twin.request_id)
+        self.pipeline._track(twin.request_id)
+        twin.length = self.length
+        return twin
+
+
+class PipelineModel:
+    """Stages behind the SublayerModel interface the decoding loop and drafters use."""
+
+    def __init__(
+        self,
+        links: Sequence[StageLink],
+        layouts: Sequence[StageLayout],
+        spec: ModelSpec,
+        max_context: int,
+        prefill_chunk: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if [(lay.first_layer, lay.end_layer) for lay in layouts] != partition_layers(spec.num_layers, len(layouts)):
+            raise ConfigError("pipeline stages must cover the model's layers in order")
+        self.links = list(links)
+        self.layouts = list(layouts)
+        self.spec = spec
+        self.max_context = max_context
+        self.prefill_chunk = prefill_chunk
+        self.device = torch.device(device)
+        self.hops = 0  # stage-to-stage transfers, for tests and statistics
+        # Caches made on the stages, per calling thread: a coordinator serving several requests
+        # at once (one thread each) frees only those of the request that ended.
+        self._live = threading.local()
+
+    @classmethod
+    def local(
+        cls, path: Path, num_stages: int, mode: ComputeMode, device: str = "cpu", delays: Sequence[float] | None = None
+    ) -> PipelineModel:
+        """All stages in this process (tests; a machine without Ray). `delays`: per stage, see
+        StageModel's `sublayer_delay_s`."""
+        spec = ModelSpec.from_hf_config(checkpoint.load_config(path))
+        layouts = [
+            StageLayout(i, num_stages, first, end) for i, (first, end) in enumerate(partition_layers(spec.num_layers, num_stages))
+        ]
+        delays = delays or [0.0] * num_stages
+        stages = [StageModel(path, layout, mode, device, delay) for layout, delay in zip(layouts, delays)]
+        last = stages[-1].local
+        return cls([LocalLink(s) for s in stages], layouts, spec, last.max_context, last.prefill_chunk, device)
+
+    def new_cache(self, capacity: int) -> PipelineCache:
+        check_context(capacity, self.max_context)
+        cache = PipelineCache(self, capacity)
+        for link in self.links:
+            link.call("new_cache", cache.request_id, capacity)
+        self._track(cache.request_id)
+        return cache
+
+    def _track(self, request_id: str) -> None:
+        if not hasattr(self._live, "ids"):
+            self._live.ids = set()
+        self._live.ids.add(request_id)
+
+    def free_all(self) -> None:
+        """Drop the stage caches this thread made (a coordinator does so after each request)."""
+        for request_id in getattr(self._live, "ids", ()):
+            for link in self.links:
+                link.call("free", request_id)
+        self._live.ids = set()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache: PipelineCache,
+        token_ids: torch.Tensor,
+        start: int,
+        skip: Collection[int] = (),
+        logits: str = "all",
+        return_hidden: bool = False,
+    ) -> ForwardOutput:
+        cache.check_room(start + token_ids.shape[0])
+        skip = frozenset(skip)
+        x: Any = token_ids
+        hidden_parts: list[Any] = []
+        last = len(self.links) - 1
+        for k, (link, layout) in enumerate(zip(self.links, self.layouts)):
+            bypass = 0 < k < last and all(item in skip for item in layout.items) and not return_hidden
+            if bypass:
+                continue
+            x, hidden = link.call(
+                "forward", cache.request_id, x, start, skip, logits if k == last else "none", return_hidden,
+                num_returns=2,
+            )
+            if k > 0:
+                self.hops += 1
+            if return_hidden:
+                hidden_parts.append(hidden)
+        out = self.links[-1].get(x)
+        hidden_states = None
+        if return_hidden:
+            parts = [link.get(part) for link, part in zip(self.links, hidden_parts)]
+            embedded = self.embed_tokens(token_ids)
+            hidden_states = torch.cat([embedded[None], *parts])
+        return ForwardOutput(logits=out if logits != "none" else None, hidden_states=hidden_states)
+
+    @torch.inference_mode()
+    def prefill(self, cache: PipelineCache, token_ids: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+        return prefill_in_chunks(self, cache, token_ids, chunk_size or self.prefill_chunk)
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.links[0].get(self.links[0].call("embed_tokens", token_ids))
+
+    def calibrate(self, stage_tables: Sequence[LatencyModel], hop_rounds: int = 30) -> PipelineLatency:
+        """The replica's latency model: stage k's table from its own device's profile, and the
+        median hop from here to the last stage, measured now."""
+        import statistics
+        import time
+
+        if len(stage_tables) != len(self.links):
+            raise ValueError(f"{len(stage_tables)} stage tables for {len(self.links)} stages")
+        probe = torch.zeros(1, self.spec.hidden_size)
+        hops = []
+        for _ in range(hop_rounds if len(self.links) > 1 else 0):
+            started = time.perf_counter()
+            self.links[-1].get(self.links[-1].call("echo", probe))
+            hops.append(time.perf_counter() - started)
+        return PipelineLatency.of(stage_tables, statistics.median(hops) if hops else 0.0)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.links[-1].get(self.links[-1].call("logits", h))
+
+    def run_knapsack(
+        self, cache: PipelineCache, token_ids: torch.Tensor, problem: KnapsackProblem, prefix_len: int, layer_rows: bool = False
+    ) -> Frontier:
+        """The DP across the stages: each runs its own rows on the frontier the previous stage
+        hands it (stage to stage, not through here); only the last row's frontier comes back."""
+        x: Any = token_ids
+        for link in self.links:
+            x = link.call("knapsack_rows", cache.request_id, x, problem, prefix_len, layer_rows)
+        self.hops += len(self.links) - 1
+        return self.links[-1].get(x)
+
+    def run_item_branches(self, item: int, h: torch.Tensor, cache: PipelineCache, prefix_len: int) -> torch.Tensor:
+        k = self._stage_of_item(item)
+        return self.links[k].get(self.links[k].call("run_item_branches", item, h, cache.request_id, prefix_len))
+
+    def _stage_of_item(self, item: int) -> int:
+        for k, layout in enumerate(self.layouts):
+            if item in layout.items:
+                return k
+        raise ConfigError(f"item {item} is outside the model's {self.spec.num_items} items")

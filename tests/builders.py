@@ -1,0 +1,209 @@
+"""What tests build: tiny random checkpoints saved as safetensors, the bundled documents,
+statistical checks, and small helpers that several rooms' tests share."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from pipeline.decoding.loop import DecodeConfig, decode, prefill
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.knapspec.drafter import KnapSpecConfig, search_candidates
+from pipeline.knapspec.latency import LatencyModel
+
+REPO = Path(__file__).resolve().parent.parent
+
+SAMPLE_DOCS = REPO / "data" / "sample.jsonl"
+
+# Big enough for grouped-query attention and a few layers, small enough to run in milliseconds.
+TINY_COMMON = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
+TINY_FAMILIES = {
+    "llama": dict(model_type="llama"),
+    "qwen3": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=True),  # head_dim != hidden / heads
+    "qwen2": dict(model_type="qwen2"),  # q/k/v biases
+    "mistral": dict(model_type="mistral", sliding_window=None),
+}
+
+def make_tiny_checkpoint(
+    path: Path,
+    family: str,
+    seed: int = 0,
+    init_scale: float = 1.0,
+    logit_scale: float = 5.0,
+    quiet_layers: tuple[int, ...] = (),
+    **overrides,
+) -> Path:
+    """A random model of `family`, saved with save_pretrained (safetensors) as a user would have it.
+
+    Weights are drawn larger than at initialization so that the model is confident and
+    greedy choices are far from ties, as a trained model's usually are.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = dict(TINY_COMMON, **TINY_FAMILIES[family], **overrides)
+    model_type = settings.pop("model_type")
+    config = AutoConfig.for_model(model_type, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif "lm_head" in name or "embed_tokens" in name:
+                p.normal_(0.0, logit_scale / p.shape[-1] ** 0.5)
+            else:
+                p.normal_(0.0, init_scale / p.shape[-1] ** 0.5)
+        # Trained models are redundant: some sublayers barely move the residual stream,
+        # which is what makes skipping them cheap in agreement. Random models are not.
+        for layer in quiet_layers:
+            block = model.model.layers[layer]
+            block.self_attn.o_proj.weight.mul_(0.05)
+            block.mlp.down_proj.weight.mul_(0.05)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+def load_tiny(path: Path, mode: str = "fp32"):
+    """(HF model, our SublayerModel) of a tiny checkpoint."""
+    from pipeline.model import checkpoint
+    from pipeline.model.linear import ComputeMode
+    from pipeline.model.sublayer_model import SublayerModel
+
+    config = checkpoint.load_config(path)
+    model = SublayerModel.from_tensors(config, checkpoint.read_tensors(path), ComputeMode(mode))
+    return checkpoint.load_hf_model(path), model
+
+def sample_documents() -> list[dict]:
+    return [json.loads(line) for line in SAMPLE_DOCS.read_text().splitlines() if line.strip()]
+
+def chi_square_p_value(counts: dict, exact: dict, num_samples: int) -> float:
+    """Goodness of fit of sampled sequences to their exact probabilities, rare cells merged
+    so that every expected count is at least 5."""
+    from scipy.stats import chisquare
+
+    observed, expected, rest_o, rest_e = [], [], 0, 0.0
+    for cell in sorted(exact, key=exact.get, reverse=True):
+        e = exact[cell] * num_samples
+        if e >= 5:
+            observed.append(counts.get(cell, 0))
+            expected.append(e)
+        else:
+            rest_o += counts.get(cell, 0)
+            rest_e += e
+    if rest_e > 0:
+        # Fold the remainder into the smallest kept cell, so it too has an expected count >= 5.
+        observed[-1] += rest_o
+        expected[-1] += rest_e
+    scale = sum(observed) / sum(expected)
+    return chisquare(observed, [e * scale for e in expected]).pvalue
+
+def exact_joint_law(model, prompt: torch.Tensor, params) -> dict[tuple[int, int, int], float]:
+    """P(t1, t2, t3) of plain sampling after `prompt`, over every sequence of nonzero probability."""
+    from pipeline.decoding.sampling import probabilities
+
+    def dist(prefix: list[int]) -> torch.Tensor:
+        cache = model.new_cache(prompt.numel() + 3)
+        return probabilities(model.prefill(cache, torch.tensor(prompt.tolist() + prefix)), params)
+
+    exact = {}
+    p1 = dist([])
+    for t1 in p1.nonzero().flatten().tolist():
+        p2 = dist([t1])
+        for t2 in p2.nonzero().flatten().tolist():
+            p3 = dist([t1, t2])
+            for t3 in p3.nonzero().flatten().tolist():
+                exact[(t1, t2, t3)] = (p1[t1] * p2[t2] * p3[t3]).item()
+    return exact
+
+# The tokenizer files of a chat model, copied next to a tiny model's weights.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+def make_tiny_chat_checkpoint(path: Path, **overrides) -> Path:
+    """A tiny random Llama that uses the embedded model's real tokenizer and chat template:
+    whole jobs (tokenize, chunk, prompt, generate, decode) run on it in seconds."""
+    import shutil
+
+    from pipeline.model import checkpoint
+
+    from safetensors.torch import load_file, save_file
+
+    embedded = checkpoint.resolve_checkpoint(None)
+    tokenizer = checkpoint.load_tokenizer(embedded)
+    settings = dict(vocab_size=len(tokenizer), max_position_embeddings=4096, num_hidden_layers=2)
+    make_tiny_checkpoint(path, "llama", **(settings | overrides))
+    for name in _TOKENIZER_FILES:
+        if (embedded / name).is_file():
+            shutil.copy(embedded / name, path / name)
+    # A random model soon repeats one token, often a newline or an end token, and its
+    # "summaries" would be empty. Zeroed head rows keep those tokens below the visible ones.
+    weights = load_file(path / "model.safetensors")
+    invisible = [i for i in range(len(tokenizer)) if not tokenizer.decode([i], skip_special_tokens=True).strip()]
+    weights["lm_head.weight"][invisible] = 0.0
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+# A search that runs on tiny models: short reference, frequent re-planning, no confidence stop
+# or time budget, a weak prior.
+SEARCH_CONFIG = KnapSpecConfig(
+    num_reference_tokens=8,
+    reoptimize_every=6,
+    max_draft=4,
+    confidence_threshold=0.0,
+    prior_strength=1.0,
+    max_search_share=None,
+)
+
+
+def synthetic_latency(num_layers: int, verify_growth: float) -> LatencyModel:
+    """Attention dear relative to the MLP; verifying k tokens costs 1 + growth·(k − 1) of one."""
+    return LatencyModel(
+        attn_slope=2e-6,
+        attn_base=4e-3,
+        t_mlp=0.5e-3,
+        t_fixed=0.2e-3,
+        verify_ratios=tuple(1.0 + verify_growth * k for k in range(11)),
+        num_layers=num_layers,
+    )
+
+
+def random_prompt(seed: int, length: int = 48) -> torch.Tensor:
+    return torch.randint(3, 96, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def generate(model, prompt_ids, drafter, max_new=32) -> list[int]:
+    """Greedy tokens of `drafter` on `model` (the whole model, or a pipelined one)."""
+    prefilled = prefill(model, prompt_ids, max_new)
+    result = decode(model, prefilled, DecodeConfig(max_new_tokens=max_new), SamplingParams(), drafter, prompt_ids.tolist())
+    return result.token_ids
+
+
+def items_skipped_per_stage(pipeline, weights: list[int], items_per_stage: int = 8) -> list[int]:
+    """Items of each stage skipped over all candidates of the uncapped DP (a branch cap keeps
+    the best-scoring cells whatever their weight) on a random 200-token prompt."""
+    cache = pipeline.new_cache(300)
+    ids = random_prompt(5, 200)
+    pipeline.prefill(cache, ids[:192])
+    exact = dataclasses.replace(SEARCH_CONFIG, max_branches=None)
+    skipped = [0] * len(pipeline.links)
+    for skip, _ in search_candidates(pipeline, cache, ids[192:200], 192, tuple(weights), exact):
+        for item in skip:
+            skipped[item // items_per_stage] += 1
+    pipeline.free_all()
+    return skipped

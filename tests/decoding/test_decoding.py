@@ -1,0 +1,149 @@
+"""The draft/verify loop: greedy equality with Hugging Face, and exact speculative sampling."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from tests.builders import chi_square_p_value, exact_joint_law, load_tiny
+
+from pipeline.decoding.loop import DecodeConfig, decode, prefill
+from pipeline.decoding.drafters import LayerSkipDrafter, NoDraft, default_static_skip
+from pipeline.errors import ConfigError
+from pipeline.decoding.hf_reference import run_hf_generate
+from pipeline.decoding.sampling import SamplingParams, accept_greedy, probabilities
+
+EOS = frozenset({2})
+
+
+def prompt_ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def run(model, prompt, drafter, max_new=30, params=SamplingParams(), eos=EOS):
+    config = DecodeConfig(max_new_tokens=max_new, eos_token_ids=eos)
+    return decode(model, prefill(model, prompt, max_new), config, params, drafter)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_ar_and_static_equal_hf_generate(tiny_checkpoint, seed):
+    hf, model = load_tiny(tiny_checkpoint)
+    prompt = prompt_ids(40, seed)
+    reference = run_hf_generate(hf, prompt, 30, EOS, SamplingParams(), pad_token_id=0).token_ids
+    ar = run(model, prompt, NoDraft())
+    assert ar.token_ids == reference
+    # Threshold 0 drafts every step, so rejections and partial acceptance are exercised.
+    for skip in ([1, 3], default_static_skip(model.spec.num_layers), [2, 3, 4, 5]):
+        drafter = LayerSkipDrafter(skip, model.spec.num_items, max_draft=3, confidence_threshold=0.0)
+        spec = run(model, prompt, drafter)
+        assert spec.token_ids == reference, f"skip {skip}"
+        assert spec.stats.drafted_tokens > 0
+        assert spec.stats.steps < len(reference)  # some drafts were accepted
+
+
+@pytest.mark.parametrize("mode", ["fp16w", "bf16"])
+def test_greedy_static_equals_ar_in_every_mode(tiny_llama, mode):
+    _, model = load_tiny(tiny_llama, mode)
+    for seed in range(3):
+        prompt = prompt_ids(60, seed)
+        ar = run(model, prompt, NoDraft())
+        drafter = LayerSkipDrafter([1, 2, 5], model.spec.num_items, max_draft=4, confidence_threshold=0.0)
+        assert run(model, prompt, drafter).token_ids == ar.token_ids
+
+
+def test_limits_and_eos(tiny_llama):
+    _, model = load_tiny(tiny_llama)
+    prompt = prompt_ids(20)
+    drafter = LayerSkipDrafter([1], model.spec.num_items, max_draft=4, confidence_threshold=0.0)
+    for max_new in (1, 2, 5, 17):
+        result = run(model, prompt, drafter, max_new=max_new, eos=frozenset())
+        assert len(result.token_ids) == max_new
+        assert result.finish_reason == "length"
+    full = run(model, prompt, NoDraft(), max_new=30, eos=frozenset())
+    eos = full.token_ids[7]
+    stopped = run(model, prompt, drafter, max_new=30, eos=frozenset({eos}))
+    first = full.token_ids.index(eos)
+    assert stopped.token_ids == full.token_ids[: first + 1]
+    assert stopped.finish_reason == "eos"
+    with pytest.raises(ConfigError):
+        DecodeConfig(max_new_tokens=0)
+
+
+def test_stats_are_consistent(tiny_llama):
+    _, model = load_tiny(tiny_llama)
+    drafter = LayerSkipDrafter([1, 2], model.spec.num_items, max_draft=3, confidence_threshold=0.0)
+    stats = run(model, prompt_ids(30), drafter, max_new=40, eos=frozenset()).stats
+    assert stats.output_tokens == 40
+    assert 0 < stats.accepted_tokens <= stats.drafted_tokens <= 3 * stats.steps
+    # Every step emits accepted + 1 tokens; the first token came from prefill, the last step may be cut.
+    assert stats.accepted_tokens + stats.steps >= stats.output_tokens - 1
+    assert stats.mean_accepted_len == pytest.approx((stats.accepted_tokens + stats.steps) / stats.steps)
+    assert stats.to_dict()["acceptance_rate"] == pytest.approx(stats.accepted_tokens / stats.drafted_tokens)
+    ar = run(model, prompt_ids(30), NoDraft(), max_new=10, eos=frozenset()).stats
+    assert (ar.steps, ar.drafted_tokens, ar.mean_accepted_len) == (9, 0, 1.0)
+
+
+def test_accept_greedy():
+    logits = torch.full((4, 10), -1.0)
+    for row, token in enumerate([5, 6, 7, 8]):
+        logits[row, token] = 1.0
+    assert accept_greedy([5, 6, 7], logits) == [5, 6, 7, 8]
+    assert accept_greedy([5, 9, 7], logits) == [5, 6]
+    assert accept_greedy([], logits[:1]) == [5]
+
+
+def test_sampling_filters():
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    probs = probabilities(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (probs[2:] == 0).all() and probs[:2].sum() == pytest.approx(1.0)
+    full = torch.softmax(logits, -1)
+    probs = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.9))
+    kept = int((probs > 0).sum())
+    assert full[: kept - 1].sum() < 0.9 <= full[:kept].sum()
+    with pytest.raises(ConfigError):
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(ConfigError):
+        SamplingParams(top_p=0.0)
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0, top_k=4), dict(temperature=0.8, top_k=6, top_p=0.7)])
+def test_speculative_sampling_matches_the_model_distribution(tiny_llama, params):
+    """χ² goodness of fit of (t1, t2, t3) from speculative sampling against the exact
+    joint law of plain sampling; t2 and t3 pass through draft rejection."""
+    _, model = load_tiny(tiny_llama)
+    prompt = prompt_ids(12, seed=5)
+    base = SamplingParams(**params)
+
+    exact = exact_joint_law(model, prompt, base)
+
+    drafter = LayerSkipDrafter([1, 2, 5], model.spec.num_items, max_draft=2, confidence_threshold=0.0)
+    config = DecodeConfig(max_new_tokens=3)
+    prefilled = prefill(model, prompt, 3)
+    counts: dict[tuple[int, ...], int] = {}
+    drafted = accepted = 0
+    num_samples = 3000
+    for seed in range(num_samples):
+        params_i = SamplingParams(**params, seed=seed)
+        result = decode(model, prefilled.copy(), config, params_i, drafter)
+        key = tuple(result.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+        drafted += result.stats.drafted_tokens
+        accepted += result.stats.accepted_tokens
+    assert set(counts) <= set(exact), "sampled a sequence the model gives zero probability"
+    assert 0.05 < accepted / drafted < 0.95, "the test must exercise both acceptance and rejection"
+
+    p_value = chi_square_p_value(counts, exact, num_samples)
+    assert p_value > 1e-3, f"speculative samples do not follow the model (p = {p_value:.2e})"
+
+
+def test_speculative_sampling_is_reproducible(tiny_llama):
+    _, model = load_tiny(tiny_llama)
+    drafter = LayerSkipDrafter([1, 2], model.spec.num_items, max_draft=3, confidence_threshold=0.0)
+    params = SamplingParams(temperature=1.0, seed=7)
+    a = run(model, prompt_ids(20), drafter, params=params, eos=frozenset())
+    b = run(model, prompt_ids(20), drafter, params=params, eos=frozenset())
+    c = run(model, prompt_ids(20), drafter, params=SamplingParams(temperature=1.0, seed=8), eos=frozenset())
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+    assert list(itertools.chain(a.token_ids))  # non-empty

@@ -1,0 +1,100 @@
+"""jobs/benchmark.py end to end on a reduced setting: records, forced candidates, plot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("benchmark_script", REPO / "jobs" / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pearson():
+    benchmark = load_script()
+    assert benchmark.pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
+    assert benchmark.pearson([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert benchmark.pearson([1, 2], [1, 2]) is None
+
+
+def test_runs_alternate_their_order():
+    benchmark = load_script()
+    pairs = [("ar", "fp16w"), ("knapspec", "fp16w"), ("ar-control", "fp16w")]
+    assert benchmark.run_order(pairs, 0) == pairs
+    assert benchmark.run_order(pairs, 1) == pairs[::-1]
+    assert benchmark.run_order(pairs, 2) == pairs
+
+
+def record(benchmark, strategy, context, speedup, predicted=None, measured=10.0, share=None, equal=True):
+    return benchmark.Record(
+        strategy=strategy, dtype="fp16w", doc_id="d", context_tokens=context, new_tokens=64,
+        tokens_per_s=measured, prefill_s=1.0, speedup_vs_ar=speedup, acceptance_rate=0.0, mean_accepted_len=1.0,
+        tokens_equal_ar=equal, repeats=2, predicted_tpt=predicted, dp_overhead_frac=share, skipped_attn=None,
+        skipped_mlp=None,
+    )  # fmt: skip
+
+
+def test_summary_per_length_and_prediction_error():
+    benchmark = load_script()
+    records = [
+        record(benchmark, "ar", 503, 1.0),
+        record(benchmark, "knapspec", 503, 0.9, predicted=12.0, share=0.02),
+        record(benchmark, "knapspec", 498, 1.1, predicted=8.0, share=0.04),
+        record(benchmark, "knapspec", 2040, 1.0, predicted=10.0, share=0.0, equal=False),
+        record(benchmark, "lookup", 2040, 2.0),
+    ]
+    forced = [{"predicted_tpt": 10.0, "measured_tpt": 8.0}] * 2 + [{"predicted_tpt": 6.0, "measured_tpt": 5.0}]
+    summary = benchmark.summarize(records, forced, ("ar", "fp16w"))
+    assert set(summary) == {"knapspec:fp16w", "lookup:fp16w", "forced"}  # not the reference itself
+    knapspec = summary["knapspec:fp16w"]
+    assert knapspec["by_length"][500] == pytest.approx({"geomean": (0.9 * 1.1) ** 0.5, "min": 0.9, "max": 1.1, "n": 2})
+    assert knapspec["by_length"][2000]["n"] == 1 and knapspec["rows"] == 3 and knapspec["min"] == 0.9
+    assert knapspec["max_search_share"] == 0.04 and knapspec["mean_search_share"] == pytest.approx(0.02)
+    assert knapspec["mean_abs_prediction_error"] == pytest.approx((0.2 + 0.2 + 0.0) / 3)
+    assert not knapspec["all_tokens_equal_ar"]
+    assert summary["lookup:fp16w"]["mean_abs_prediction_error"] is None
+    assert summary["forced"]["mean_abs_prediction_error"] == pytest.approx(0.25 * 2 / 3 + 0.2 / 3)
+    table = benchmark.format_summary(summary, ("ar", "fp16w"))
+    assert "| ~500 | 0.99× (0.90–1.10) |" in table and "| knapspec:fp16w | 3 | NO | 2.0%, 4.0% | 13% |" in table
+
+
+@pytest.mark.slow
+def test_benchmark_writes_records_and_plot(tmp_path):
+    benchmark = load_script()
+    code = benchmark.main(
+        [
+            "--ids", "gao-26-109008",
+            "--context-lengths", "200",
+            "--max-new-tokens", "8",
+            "--repeats", "2",
+            "--strategies", "ar:fp16w,knapspec:fp16w,lookup:fp16w",
+            "--no-fallback", "--forced", "2", "--control",
+            "--output", str(tmp_path),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    out = json.loads((tmp_path / "benchmark.json").read_text())
+    records = {r["strategy"]: r for r in out["records"]}
+    assert set(records) == {"ar", "knapspec", "lookup", "ar-control"}
+    for r in records.values():
+        assert r["tokens_equal_ar"] and r["repeats"] == 2 and r["measured_tpt"] == r["tokens_per_s"] > 0
+    assert records["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert records["knapspec"]["dp_overhead_frac"] is not None
+    assert set(out["summary"]) == {"knapspec:fp16w", "lookup:fp16w", "ar-control:fp16w", "forced"}
+    assert out["summary"]["ar-control:fp16w"]["rows"] == 1
+    assert 1 <= len(out["forced_candidates"]) <= 2
+    assert all(f["predicted_tpt"] > 0 and f["measured_tpt"] > 0 for f in out["forced_candidates"])
+    assert all(f["predicted_vs_ar"] > 0 for f in out["forced_candidates"])
+    table = benchmark.format_forced(out["forced_candidates"])
+    assert table.count("| gao-26-109008 |") == len(out["forced_candidates"])
+    assert (tmp_path / "benchmark.png").stat().st_size > 10_000

@@ -1,0 +1,193 @@
+"""jobs/summarize.py as a user runs it: a local Ray cluster, Ray Data, replicas, Parquet out.
+
+Most runs use a tiny random model with the embedded model's real tokenizer, so that the whole
+path (read, validate, chunk, prompt, generate, decode, write) runs in seconds; one run uses
+the real embedded model on a bundled document.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.builders import REPO, sample_documents
+from pipeline.summarization.output import OUTPUT_SCHEMA, read_output
+
+pytestmark = pytest.mark.ray
+
+SCRIPT = REPO / "jobs" / "summarize.py"
+OUTPUT_NAME = "summaries.parquet"
+
+
+def job_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    return env
+
+
+def run_job(*args, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, args)],
+        capture_output=True, text=True, timeout=timeout, env=job_env(), cwd=REPO,
+    )
+
+
+def excerpt(text: str, paragraphs: int) -> str:
+    return "\n\n".join(p for p in text.split("\n\n") if p.strip())[: 600 * paragraphs]
+
+
+@pytest.fixture(scope="module")
+def bad_rows_parquet(tmp_path_factory) -> tuple[Path, list[dict]]:
+    docs = sample_documents()
+    rows = [
+        {"id": "short", "text": "The committee met on Tuesday.\n\nIt approved the budget.", "reference_summary": None},
+        {"id": docs[1]["id"], "text": excerpt(docs[1]["text"], 8), "reference_summary": docs[1]["reference_summary"]},
+        {"id": docs[3]["id"], "text": excerpt(docs[3]["text"], 2), "reference_summary": docs[3]["reference_summary"]},
+        {"id": "empty", "text": "", "reference_summary": None},
+        {"id": "blank", "text": "  \n\t ", "reference_summary": None},
+        {"id": None, "text": "A document without an id.", "reference_summary": None},
+        {"id": "twice", "text": "First copy.", "reference_summary": None},
+        {"id": "twice", "text": "Second copy.", "reference_summary": None},
+    ]
+    path = tmp_path_factory.mktemp("input") / "docs.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path, rows
+
+
+def test_one_output_row_per_input_row(bad_rows_parquet, tiny_chat_checkpoint, tmp_path):
+    path, rows = bad_rows_parquet
+    result = run_job("--input", path, "--output", tmp_path, "--model", tiny_chat_checkpoint,
+                     "--max-new-tokens", "16", "--max-chunk-tokens", "512", "--replicas", "2",
+                     "--threads-per-replica", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    table = read_output(tmp_path / OUTPUT_NAME)
+    assert table.schema == OUTPUT_SCHEMA and table.num_rows == len(rows)
+    out = sorted(table.to_pylist(), key=lambda r: (str(r["id"]), r["error"] or ""))
+    by_id = {}
+    for row in out:
+        by_id.setdefault(row["id"], []).append(row)
+    for good in ("short", rows[1]["id"], rows[2]["id"]):
+        (row,) = by_id[good]
+        assert row["status"] == "ok" and row["summary"] and row["error"] is None, row
+        assert row["output_tokens"] > 0 and row["prompt_tokens"] > 0 and row["finished_at"] is not None
+    assert by_id["short"][0]["num_chunks"] == 1 and by_id["short"][0]["rouge1"] is None
+    long_row = by_id[rows[1]["id"]][0]
+    assert long_row["num_chunks"] >= 3 and long_row["rouge1"] is not None
+    assert by_id["empty"][0]["error"] == "text is empty" and "whitespace" in by_id["blank"][0]["error"]
+    assert "id" in by_id[None][0]["error"]
+    assert [r["status"] for r in by_id["twice"]] == ["error", "error"]
+    assert all("2 times" in r["error"] or "more than once" in r["error"] for r in by_id["twice"])
+    # The closing table: 8 rows, 3 ok, 5 errors.
+    assert "| 8 | 3 | 5 |" in result.stdout, result.stdout
+
+
+def test_resume_after_a_killed_run_writes_each_id_once(tiny_chat_checkpoint, tmp_path):
+    docs = sample_documents()
+    rows = [{"id": f"doc-{i}", "text": excerpt(docs[i % len(docs)]["text"], 3 + i % 4)} for i in range(12)]
+    rows.append({"id": "empty", "text": ""})
+    input_path = tmp_path / "docs.jsonl"
+    pa_rows = pa.Table.from_pylist(rows).to_pandas()
+    pa_rows.to_json(input_path, orient="records", lines=True)
+    out = tmp_path / "out"
+    args = ["--input", input_path, "--output", out, "--model", tiny_chat_checkpoint, "--max-new-tokens", "24",
+            "--max-chunk-tokens", "384", "--strategy", "ar", "--documents-in-flight", "1"]
+
+    job = subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], env=job_env(), cwd=REPO,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not list((out / OUTPUT_NAME).glob("*.parquet")) and time.monotonic() < deadline:
+            assert job.poll() is None, "the job ended before it wrote anything"
+            time.sleep(0.05)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    written = read_output(out / OUTPUT_NAME).num_rows
+    assert 0 < written < len(rows), f"the kill came too late to interrupt the run ({written} rows)"
+
+    result = run_job(*args, "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = read_output(out / OUTPUT_NAME)
+    ids = table.column("id").to_pylist()
+    assert sorted(ids) == sorted(r["id"] for r in rows)  # every id exactly once
+    statuses = dict(zip(ids, table.column("status").to_pylist()))
+    assert statuses.pop("empty") == "error" and set(statuses.values()) == {"ok"}
+
+    # A second resume has nothing left but the error row, which it retries in place.
+    result = run_job(*args, "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(read_output(out / OUTPUT_NAME).column("id").to_pylist()) == sorted(r["id"] for r in rows)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--input", "no/such/file.parquet"], "does not exist"),
+        (["--input", "README.md"], "unknown format"),
+        (["--text-column", "body"], "body"),
+        (["--tensor-parallel", "2"], "does not divide the model's 9 attention heads"),  # SmolLM2
+        (["--resume", "--overwrite"], "exclude each other"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+    ],
+)
+def test_bad_arguments_stop_before_any_work(args, message, tmp_path):
+    result = run_job("--output", tmp_path / "out", *args, timeout=120)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert result.stderr.strip().count("\n") == 0, result.stderr  # one line
+    assert not (tmp_path / "out" / OUTPUT_NAME).exists()
+
+
+def test_ids_missing_from_the_input_are_named(tmp_path):
+    result = run_job("--output", tmp_path / "out", "--ids", "rfc3986,no-such-doc", timeout=180)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].endswith("sample.jsonl: no-such-doc"), result.stderr[-3000:]
+    assert not (tmp_path / "out" / OUTPUT_NAME).exists()
+
+
+def test_an_earlier_output_is_not_overwritten_silently(tmp_path):
+    from pipeline.summarization.output import rows_to_table, write_part
+    from tests.summarization.test_output import ok_row
+
+    write_part(tmp_path / OUTPUT_NAME, rows_to_table([ok_row("a")]))
+    result = run_job("--output", tmp_path, timeout=120)
+    assert result.returncode == 2 and "--resume" in result.stderr and "--overwrite" in result.stderr
+
+
+def test_pipeline_parallel_replicas_write_the_same_summaries(bad_rows_parquet, tiny_chat_checkpoint, tmp_path):
+    """Two replicas of two pipeline stages each (stage actors holding half the layers) give
+    the summaries of single-process replicas, token for token."""
+    path, rows = bad_rows_parquet
+    common = ["--input", path, "--model", tiny_chat_checkpoint, "--max-new-tokens", "16", "--max-chunk-tokens",
+              "512", "--strategy", "ar", "--dtype", "fp32", "--threads-per-replica", "1"]
+    single = run_job(*common, "--output", tmp_path / "p1")
+    piped = run_job(*common, "--output", tmp_path / "p2", "--pipeline-parallel", "2", "--replicas", "2")
+    assert single.returncode == 0 and piped.returncode == 0, piped.stderr[-3000:]
+
+    def summaries(folder):
+        table = read_output(folder / OUTPUT_NAME)
+        return sorted(zip(map(str, table.column("id").to_pylist()), map(str, table.column("summary").to_pylist())))
+
+    assert summaries(tmp_path / "p2") == summaries(tmp_path / "p1")
+    assert sum(1 for _, s in summaries(tmp_path / "p2") if s != "None") == 3
+
+
+@pytest.mark.slow
+def test_default_run_on_a_bundled_document(tmp_path):
+    """The no-argument job (embedded model, bundled documents, default strategy), reduced to one
+    document and short answers."""
+    result = run_job("--output", tmp_path, "--ids", "gao-26-109008", "--max-new-tokens", "24",
+                     "--max-chunk-tokens", "2048")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = read_output(tmp_path / OUTPUT_NAME).to_pylist()
+    assert row["status"] == "ok" and row["strategy"] == "knapspec-lookup", row
+    assert row["num_chunks"] >= 3 and row["rouge1"] > 0 and len(row["summary"].split()) > 5
+    assert "| 1 | 1 | 0 |" in result.stdout

@@ -1,0 +1,257 @@
+"""KnapSpec and the baselines in the engine: lossless greedy output, AR fallback, re-planning."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from tests.builders import SEARCH_CONFIG, load_tiny, synthetic_latency
+
+from pipeline.knapspec.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter, evaluate_skip_sets
+from pipeline.decoding.loop import DecodeConfig, decode, prefill
+from pipeline.decoding.drafters import NoDraft
+from pipeline.knapspec.hybrid import KnapSpecLookupDrafter
+from pipeline.knapspec.drafter import KnapSpecConfig, KnapSpecDrafter
+from pipeline.knapspec.latency import LatencyModel
+from pipeline.decoding.prompt_lookup import PromptLookupDrafter
+from pipeline.decoding.sampling import SamplingParams
+
+# Few reference tokens and a weak prior: tiny models give the DP little to go on. Searches
+# every 6 steps could never fit a 5% time budget; these tests are about what they find.
+
+
+
+
+def prompt_ids(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(3, 96, (12,), generator=g)
+    return torch.cat([torch.randint(3, 96, (20,), generator=g), phrase, torch.randint(3, 96, (8,), generator=g), phrase])
+
+
+def run(model, prompt, drafter, max_new=40):
+    config = DecodeConfig(max_new_tokens=max_new, eos_token_ids=frozenset())
+    return decode(model, prefill(model, prompt, max_new), config, SamplingParams(), drafter, prompt.tolist())
+
+
+DRAFTERS = {
+    "knapspec": lambda lat: KnapSpecDrafter(lat, SEARCH_CONFIG),
+    "knapspec-coupled": lambda lat: KnapSpecDrafter(lat, replace(SEARCH_CONFIG, coupled=True)),
+    "clasp": lambda lat: ClaspDrafter(lat, SEARCH_CONFIG),
+    "swift": lambda lat: SwiftDrafter(lat, SEARCH_CONFIG),
+    "early-exit": lambda lat: EarlyExitDrafter(lat, SEARCH_CONFIG),
+    "knapspec-lookup": lambda lat: KnapSpecLookupDrafter(lat, SEARCH_CONFIG, PromptLookupDrafter()),
+}
+
+
+def check_equals_ar(model, name: str) -> None:
+    cheap_verify = synthetic_latency(model.spec.num_layers, verify_growth=0.0)
+    for seed in range(2):
+        prompt = prompt_ids(seed)
+        reference = run(model, prompt, NoDraft()).token_ids
+        result = run(model, prompt, DRAFTERS[name](cheap_verify))
+        assert result.token_ids == reference
+        assert result.stats.drafted_tokens > 0, "cheap verification must make it speculate"
+        assert result.extra["num_optimizations"] >= 1
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
+def test_greedy_output_equals_ar(tiny_deep_llama, name):
+    check_equals_ar(load_tiny(tiny_deep_llama)[1], name)
+
+
+def test_knapspec_greedy_output_equals_ar_in_every_family(tiny_checkpoint):
+    _, model = load_tiny(tiny_checkpoint)
+    prompt = prompt_ids(3)
+    drafter = KnapSpecDrafter(synthetic_latency(model.spec.num_layers, verify_growth=0.0), SEARCH_CONFIG)
+    assert run(model, prompt, drafter).token_ids == run(model, prompt, NoDraft()).token_ids
+
+
+def test_knapspec_falls_back_to_ar_when_verification_is_dear(tiny_llama):
+    _, model = load_tiny(tiny_llama)
+    dear_verify = synthetic_latency(model.spec.num_layers, verify_growth=1.0)  # k tokens cost k steps
+    drafter = KnapSpecDrafter(dear_verify, SEARCH_CONFIG)
+    prompt = prompt_ids(0)
+    result = run(model, prompt, drafter)
+    assert result.token_ids == run(model, prompt, NoDraft()).token_ids
+    assert result.stats.drafted_tokens == 0
+    assert result.extra["num_chose_ar"] == result.extra["num_optimizations"] >= 2  # re-checked periodically
+
+
+def test_dp_is_skipped_when_no_draft_could_win(tiny_deep_llama, monkeypatch):
+    from pipeline.knapspec import drafter as knapspec
+
+    calls = []
+    real = knapspec.search_candidates
+    monkeypatch.setattr(knapspec, "search_candidates", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _, model = load_tiny(tiny_deep_llama)
+    run(model, prompt_ids(0), KnapSpecDrafter(synthetic_latency(model.spec.num_layers, verify_growth=1.0), SEARCH_CONFIG))
+    assert calls == []
+    run(model, prompt_ids(0), KnapSpecDrafter(synthetic_latency(model.spec.num_layers, verify_growth=0.0), SEARCH_CONFIG))
+    assert calls
+
+
+def test_ar_verdicts_back_off_the_search(tiny_deep_llama):
+    _, model = load_tiny(tiny_deep_llama)
+    drafter = KnapSpecDrafter(synthetic_latency(model.spec.num_layers, verify_growth=1.0), replace(SEARCH_CONFIG, reoptimize_every=2))
+    run(model, prompt_ids(0), drafter, max_new=40)
+    # Intervals 2, 2, 4, 8, 16, 16...: 39 steps hold at most 6 searches, not 20.
+    assert 3 <= len(drafter.plans) <= 6 and all(p.use_ar for p in drafter.plans)
+
+
+def test_knapspec_replans_every_n_steps(tiny_deep_llama):
+    _, model = load_tiny(tiny_deep_llama)
+    drafter = KnapSpecDrafter(synthetic_latency(model.spec.num_layers, 0.0), replace(SEARCH_CONFIG, max_draft=1))
+    result = run(model, prompt_ids(1), drafter, max_new=30)
+    # At most one token is accepted per step, so there are >= 15 steps and >= 3 plans.
+    assert result.extra["num_optimizations"] >= result.stats.steps // SEARCH_CONFIG.reoptimize_every
+    assert all(p.gamma <= 1 for p in drafter.plans)
+
+
+def test_knapspec_plans_use_weights_and_keep_first_and_last_layer(tiny_deep_llama):
+    _, model = load_tiny(tiny_deep_llama)
+    lat = synthetic_latency(model.spec.num_layers, 0.0)
+    drafter = KnapSpecDrafter(lat, SEARCH_CONFIG)
+    run(model, prompt_ids(0), drafter)
+    num_items = model.spec.num_items
+    assert any(plan.skip for plan in drafter.plans)
+    for plan in drafter.plans:
+        if plan.skip:
+            assert not plan.skip & {0, 1, num_items - 2, num_items - 1}
+            weights = lat.item_weights(40)
+            assert sum(weights[i] for i in plan.skip) <= sum(weights) // 2
+
+
+def test_evaluate_skip_sets_matches_full_forward(tiny_llama):
+    _, model = load_tiny(tiny_llama)
+    tokens = prompt_ids(2)
+    cache = model.new_cache(64)
+    model.prefill(cache, tokens[:40])
+    full = model.forward(cache.copy(), tokens[40:], 40, logits="all").logits.argmax(-1)
+    top1 = evaluate_skip_sets(model, cache, tokens[40:], 40, [frozenset(), frozenset({2, 3})])
+    assert torch.equal(top1[0], full)
+    skipped = model.forward(cache.copy(), tokens[40:], 40, skip={2, 3}, logits="all").logits.argmax(-1)
+    assert torch.equal(top1[1], skipped)
+
+
+def test_hybrid_counts_copied_runs_per_position():
+    lat = synthetic_latency(8, verify_growth=0.0)
+    hybrid = KnapSpecLookupDrafter(lat, SEARCH_CONFIG, PromptLookupDrafter())
+    prior = [hybrid.expected_accepted(g) for g in (1, 2, 3)]
+    assert prior == pytest.approx([0.8, 0.8 + 0.64, 0.8 + 0.64 + 0.512])
+    hybrid._used_lookup = True
+    for _ in range(20):  # copies are right as a whole: all three accepted
+        hybrid.observe(3, 3)
+    assert hybrid.expected_accepted(3) > 2.5
+    for _ in range(40):  # then wrong from the first token
+        hybrid.observe(3, 0)
+    assert hybrid.expected_accepted(1) < 0.4
+    assert hybrid.summary()["num_lookup_steps"] == 60
+
+
+def test_hybrid_scores_the_copies_it_declines():
+    hybrid = KnapSpecLookupDrafter(synthetic_latency(8, verify_growth=0.0), SEARCH_CONFIG, PromptLookupDrafter())
+    prompt = [5, 6, 7, 8]
+    hybrid._shadows = [(4, [1, 2, 3]), (4, [1, 9, 9]), (5, [2, 3, 4]), (5, [7])]
+    hybrid.score_declined(prompt + [1, 2])
+    # [1, 9, 9] missed at position 1 and [7] at 0; [1, 2, 3] and [2, 3, 4] are right so far: they wait.
+    assert hybrid._tries[:3] == [2, 1, 1] and hybrid._reached[:3] == [1, 0, 0]
+    assert hybrid._shadows == [(4, [1, 2, 3]), (5, [2, 3, 4])]
+    hybrid.score_declined(prompt + [1, 2, 3, 5])
+    assert hybrid._tries[:3] == [4, 3, 3] and hybrid._reached[:3] == [3, 2, 1] and hybrid._shadows == []
+
+
+def test_hybrid_keeps_learning_after_early_misses(tiny_deep_llama):
+    """A hybrid that only learned from copies it drafted would stop copying for good after
+    a run of misses; scoring the declined ones lets a copy that starts to pay be taken again."""
+    lat = synthetic_latency(8, verify_growth=0.3)
+    hybrid = KnapSpecLookupDrafter(lat, SEARCH_CONFIG, PromptLookupDrafter())
+    hybrid._tries[:3] = [20, 20, 20]  # twenty misses in a row
+    assert (1 + hybrid.expected_accepted(1)) / lat.t_verify(2, 100) < 1 / lat.t_verify(1, 100)  # copying loses
+    tokens = list(range(100))
+    for start in range(40, 70):  # then thirty declined copies, each right
+        hybrid._shadows.append((start, tokens[start : start + 3]))
+        hybrid.score_declined(tokens[: start + 3])
+    assert (1 + hybrid.expected_accepted(3)) / lat.t_verify(4, 100) > 1.4 / lat.t_verify(1, 100)  # wins again
+
+    # In decoding: exact tokens, and the copies it declines are scored.
+    _, model = load_tiny(tiny_deep_llama)
+    lat = synthetic_latency(model.spec.num_layers, verify_growth=0.3)
+    prompt = prompt_ids(5)
+    hybrid = KnapSpecLookupDrafter(lat, SEARCH_CONFIG, PromptLookupDrafter())
+    hybrid._tries[:3] = [20, 20, 20]
+    result = run(model, prompt, hybrid, max_new=40)
+    assert result.token_ids == run(model, prompt, NoDraft(), max_new=40).token_ids
+    assert hybrid.num_lookup_steps == 0 and hybrid._tries[0] > 20
+
+
+def test_later_requests_inherit_ar_verdicts(tiny_deep_llama, monkeypatch):
+    from pipeline.knapspec import drafter as knapspec
+    from pipeline.knapspec.drafter import SearchHistory
+
+    _, model = load_tiny(tiny_deep_llama)
+    lat = replace(synthetic_latency(model.spec.num_layers, verify_growth=0.3), t_fixed=0.05)  # dear fixed cost: AR wins
+    calls = []
+    real = knapspec.search_candidates
+    monkeypatch.setattr(knapspec, "search_candidates", lambda *a, **k: calls.append(1) or real(*a, **k))
+    history = SearchHistory()
+    prompt = prompt_ids(0)
+    first = run(model, prompt, KnapSpecDrafter(lat, SEARCH_CONFIG, history), max_new=5)
+    assert first.extra["num_optimizations"] == first.extra["num_chose_ar"] == 1
+    calls.clear()
+    second = run(model, prompt, KnapSpecDrafter(lat, SEARCH_CONFIG, history), max_new=5)
+    assert calls == [] and second.extra["num_optimizations"] == 0
+    assert second.token_ids == first.token_ids
+
+
+def test_search_budget_sets_the_branch_cap():
+    """One search costs about (1 + B·r/12) forwards; it may take 5% of the steps it plans for."""
+    lat = synthetic_latency(8, verify_growth=0.0)
+    bounded = replace(SEARCH_CONFIG, max_search_share=0.05, reoptimize_every=64, max_branches=4)
+    drafter = KnapSpecDrafter(lat, bounded)
+    # 64 steps: budget 3.2 forwards -> (3.2 - 1)·12/8 = 3.3 -> 3 branches.
+    assert drafter.search_branches(context=100, steps_left=500) == 3
+    assert drafter.search_branches(context=100, steps_left=40) == 1  # 2.0 forwards
+    assert drafter.search_branches(context=100, steps_left=30) == 0  # 1.5: not even one branch
+    assert KnapSpecDrafter(lat, replace(bounded, max_search_share=0.5)).search_branches(100, 500) == 4  # the cap
+    unbounded = replace(bounded, max_search_share=None, max_branches=None)
+    assert KnapSpecDrafter(lat, unbounded).search_branches(100, 5) is None
+    # A device whose searches cost no more on four branches than on one gets the whole cap.
+    flat = replace(lat, search_base=2.0, search_per_token=0.0)
+    assert KnapSpecDrafter(flat, bounded).search_branches(context=100, steps_left=500) == 4
+    # An engine whose searches ran twice as long as estimated gets half the branches' worth.
+    drafter.history.search_cost_ratios.extend([2.0, 2.0])
+    assert drafter.search_branches(context=100, steps_left=500) == 0
+
+
+def test_short_requests_postpone_the_search_and_stay_exact(tiny_deep_llama, monkeypatch):
+    from pipeline.knapspec import drafter as knapspec
+
+    calls = []
+    real = knapspec.search_candidates
+    monkeypatch.setattr(knapspec, "search_candidates", lambda *a, **k: calls.append(k or a[5]) or real(*a, **k))
+    _, model = load_tiny(tiny_deep_llama)
+    lat = synthetic_latency(model.spec.num_layers, verify_growth=0.0)
+    prompt = prompt_ids(0)
+    bounded = replace(SEARCH_CONFIG, max_search_share=0.05, reoptimize_every=64)
+    short = run(model, prompt, KnapSpecDrafter(lat, bounded), max_new=20)
+    assert calls == [] and short.extra["num_searches_postponed"] >= 1
+    assert short.token_ids == run(model, prompt, NoDraft(), max_new=20).token_ids
+    drafter = KnapSpecDrafter(lat, bounded)
+    run(model, prompt, drafter, max_new=100)
+    assert calls and calls[0].max_branches == 3  # 64 steps planned: 3 of the 4 branches fit
+    # Every search is timed against its estimate; later caps follow what searches really cost.
+    assert len(drafter.history.search_cost_ratios) == len(calls)
+
+
+def test_an_unbounded_exact_search_runs(tiny_deep_llama):
+    _, model = load_tiny(tiny_deep_llama)
+    exact = KnapSpecDrafter(synthetic_latency(model.spec.num_layers, 0.0), replace(SEARCH_CONFIG, max_branches=None))
+    prompt = prompt_ids(0)
+    assert run(model, prompt, exact).token_ids == run(model, prompt, NoDraft()).token_ids
+    assert exact.plans and not exact.history.search_cost_ratios
+
+
+def test_search_budget_is_validated():
+    with pytest.raises(Exception, match="max_search_share"):
+        KnapSpecConfig(max_search_share=0.0)
