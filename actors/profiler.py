@@ -22,8 +22,8 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from pipeline.knapspec.latency import PipelineLatency
 from pipeline.model.linear import ComputeMode
-from pipeline.knapspec.pipeline_latency import PipelineLatency
 from profiling.calibration import Calibration
 
 logger = logging.getLogger(__name__)

@@ -18,9 +18,11 @@ from ray.util.placement_group import remove_placement_group
 
 from actors.profiler import start_profilers
 from actors.shard import reserve, stage_bundles
+from pipeline.decoding.sampling import SamplingParams
 from pipeline.engine import Engine, EngineConfig, StrategyConfig
 from pipeline.errors import ConfigError
-from pipeline.decoding.sampling import SamplingParams
+from pipeline.logs import configure_worker_logging
+from profiling.calibration import store_calibrator
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +41,9 @@ class EngineReplica:
 
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        configure_worker_logging()
         started = time.perf_counter()
-        self.engine = Engine(engine_config)
+        self.engine = Engine(engine_config, calibrator=store_calibrator(engine_config.calibration_dir))
         self.strategy = strategy
         self.load_s = time.perf_counter() - started
 
@@ -100,12 +102,12 @@ class PipelineReplica(EngineReplica):
         the pool; without one the stages reserve their own, removed by `shutdown`."""
         from actors.profiler import calibrate_pipeline
         from actors.shard import start_pipeline
+        from pipeline.engine import REGISTRY, SEARCHING_STRATEGIES
         from pipeline.model import checkpoint
-        from pipeline.engine import SEARCHING_STRATEGIES
         from pipeline.model.linear import resolve_compute_mode
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        if strategy.name in ("hf", "hf-lookup"):
+        configure_worker_logging()
+        if REGISTRY[strategy.name].build is None:
             raise ConfigError(f"strategy {strategy.name!r} runs transformers in one process; it has no pipeline form")
         started = time.perf_counter()
         path = checkpoint.resolve_checkpoint(engine_config.model, engine_config.cache_dir)

@@ -25,8 +25,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from pipeline.errors import ConfigError
 from pipeline.model.linear import ComputeMode
 from pipeline.model.spec import ModelSpec
-from pipeline.parallel.staged_model import PipelineModel, StageLayout, StageModel, partition_layers
 from pipeline.model.sublayer_model import max_context_of, prefill_chunk_for
+from pipeline.parallel.staged_model import PipelineModel, StageLayout, StageModel, partition_layers
 from pipeline.parallel.tensor_parallel import check_tensor_parallel
 from pipeline.throttle import node_sublayer_delay
 

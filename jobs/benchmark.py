@@ -33,14 +33,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pipeline.decoding.loop import DecodeConfig, decode, prefill
 from pipeline.decoding.drafters import LayerSkipDrafter
-from pipeline.engine import STRATEGIES, Engine, EngineConfig, StrategyConfig
+from pipeline.decoding.loop import DecodeConfig, decode, prefill
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.engine import SEARCHING_STRATEGIES, STRATEGIES, Engine, EngineConfig, StrategyConfig
 from pipeline.errors import KnapSpecError
 from pipeline.knapspec.drafter import KnapSpecConfig, KnapSpecDrafter, search_candidates
-from pipeline.summarization.prompts import build_prompt
-from pipeline.decoding.sampling import SamplingParams
 from pipeline.knapspec.tpt import choose_plan
+from pipeline.summarization.prompts import build_prompt
+from profiling.calibration import store_calibrator
 
 logger = logging.getLogger("benchmark")
 
@@ -159,10 +160,13 @@ def main(argv: list[str] | None = None) -> int:
         pairs.append((CONTROL, reference[1]))
     lengths = [int(x) for x in args.context_lengths.split(",")]
     documents = load_documents(args.input, args.ids.split(","))
-    engines = {dtype: Engine(EngineConfig(model=args.model, dtype=dtype)) for dtype in sorted({d for _, d in pairs})}
+    engines = {
+        dtype: Engine(EngineConfig(model=args.model, dtype=dtype), calibrator=store_calibrator())
+        for dtype in sorted({d for _, d in pairs})
+    }
     tokenizer = next(iter(engines.values())).tokenizer
     if args.recalibrate:
-        for dtype in {d for n, d in pairs if n in SEARCHING or n in ("knapspec-lookup", "clasp", "swift", "early-exit")}:
+        for dtype in {d for n, d in pairs if n in SEARCHING_STRATEGIES}:
             engines[dtype].calibrate(force=True)
 
     records: list[Record] = []

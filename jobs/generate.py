@@ -26,15 +26,16 @@ import os
 
 import torch
 
-from pipeline.model import checkpoint
 from pipeline.cli import Parser, positive_int, usage_error
 from pipeline.decoding.drafters import DEFAULT_MAX_DRAFT
+from pipeline.decoding.prompt_lookup import DEFAULT_LOOKUP_MAX_DRAFT
+from pipeline.decoding.sampling import SamplingParams
 from pipeline.engine import SEARCHING_STRATEGIES, STRATEGIES, Engine, EngineConfig, StrategyConfig
 from pipeline.errors import ConfigError, KnapSpecError, RowError
+from pipeline.model import checkpoint
 from pipeline.model.linear import DTYPE_CHOICES, resolve_compute_mode
-from pipeline.decoding.prompt_lookup import DEFAULT_LOOKUP_MAX_DRAFT
 from pipeline.summarization.prompts import DEFAULT_INSTRUCTION, build_prompt
-from pipeline.decoding.sampling import SamplingParams
+from profiling.calibration import store_calibrator
 
 logger = logging.getLogger("generate")
 
@@ -262,7 +263,7 @@ def run(args: argparse.Namespace) -> dict:
 
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
     sharded = args.pipeline_parallel > 1 or args.tensor_parallel > 1
-    engine = _sharded_engine(args, config) if sharded else Engine(config)
+    engine = _sharded_engine(args, config) if sharded else Engine(config, calibrator=store_calibrator(config.calibration_dir))
     engine.drafter(strategy)  # checks --skip against the model's items before any prefill
 
     # Room for the answer is reserved whatever the strategy, so every strategy sees

@@ -31,10 +31,10 @@ import logging  # noqa: E402
 
 import torch  # noqa: E402
 
-from pipeline.model import checkpoint  # noqa: E402
 from pipeline.cli import Parser, positive_int, usage_error  # noqa: E402
 from pipeline.engine import Engine, EngineConfig  # noqa: E402
 from pipeline.errors import ConfigError, KnapSpecError  # noqa: E402
+from pipeline.model import checkpoint  # noqa: E402
 from pipeline.model.linear import DTYPE_CHOICES, resolve_compute_mode  # noqa: E402
 from profiling import microbench  # noqa: E402
 from profiling.calibration import DEFAULT_LAYOUT, Calibration, CalibrationKey, CalibrationStore  # noqa: E402

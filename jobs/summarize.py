@@ -125,15 +125,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _check_args(args: argparse.Namespace):
     """Everything checkable before Ray starts: input, output, settings. Returns (input spec, resume state)."""
-    from pipeline.model import checkpoint
-    from pipeline.summarization.documents import resolve_input
+    from pipeline.decoding.sampling import SamplingParams
     from pipeline.engine import StrategyConfig
     from pipeline.errors import ConfigError
+    from pipeline.model import checkpoint
     from pipeline.model.linear import resolve_compute_mode
     from pipeline.model.spec import ModelSpec
-    from pipeline.summarization.output import prepare_output
-    from pipeline.decoding.sampling import SamplingParams
     from pipeline.parallel.tensor_parallel import check_tensor_parallel
+    from pipeline.summarization.documents import resolve_input
+    from pipeline.summarization.output import prepare_output
 
     if (args.pipeline_parallel > 1 or args.tensor_parallel > 1) and args.strategy in ("hf", "hf-lookup"):
         raise ConfigError(f"--strategy {args.strategy} runs transformers in one process; it has no pipeline form")
@@ -173,11 +173,11 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from actors.replica import DATA_CPUS, ReplicaPool, ReplicaResources
+    from pipeline.decoding.sampling import SamplingParams
+    from pipeline.engine import EngineConfig, StrategyConfig
+    from pipeline.errors import ConfigError
     from pipeline.model import checkpoint
     from pipeline.summarization.documents import count_ids, find_duplicate_ids, read_documents
-    from pipeline.errors import ConfigError
-    from pipeline.engine import EngineConfig, StrategyConfig
-    from pipeline.decoding.sampling import SamplingParams
     from pipeline.summarization.sink import SummarySink
     from pipeline.summarization.summarizer import SummarizeBatch, SummarizeSettings
 

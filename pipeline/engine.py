@@ -1,50 +1,107 @@
 """One model replica in one process: load once, generate with any strategy.
 
-Strategies:
-- `hf`: transformers `generate()`, the outside reference;
-- `ar`: our sublayer runner, plain autoregressive decoding;
-- `static`: self-speculative decoding with a fixed set of skipped items;
-- `lookup`: speculative decoding with drafts copied from the context (prompt lookup);
-- `hf-lookup`: transformers `generate()` with its own prompt lookup, the outside reference for `lookup`;
-- `knapspec`: the latency-aware knapsack over sublayers, TPT over γ, AR fallback;
-- `knapspec-coupled`: the same with a layer's attention and MLP skipped together (ablation);
-- `clasp`, `swift`, `early-exit`: self-speculative baselines (see baselines.py);
-- `knapspec-lookup`: KnapSpec plus prompt-lookup drafts in the same TPT search.
+Strategies are a registry (`REGISTRY`, name -> how to build its drafter and its
+defaults): plain decoding, a fixed skip set, prompt lookup, KnapSpec and its hybrid, the
+baselines, and transformers' `generate()` as the outside reference.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pipeline.model import checkpoint
-from pipeline.knapspec.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter
-from pipeline.decoding.loop import DecodeConfig, GenerationResult, GenerationStats, Prefilled, decode, prefill
 from pipeline.decoding.drafters import DEFAULT_MAX_DRAFT, Drafter, LayerSkipDrafter, NoDraft, default_static_skip
-from pipeline.errors import ConfigError
 from pipeline.decoding.hf_reference import prepare_hf_model, run_hf_generate
-from pipeline.knapspec.hybrid import KnapSpecLookupDrafter
-from pipeline.knapspec.drafter import KnapSpecConfig, KnapSpecDrafter, SearchHistory
-from pipeline.knapspec.latency import LatencyModel
-from pipeline.model.linear import ComputeMode, resolve_compute_mode
+from pipeline.decoding.loop import DecodeConfig, GenerationResult, Prefilled, decode, prefill
 from pipeline.decoding.prompt_lookup import DEFAULT_LOOKUP_MAX_DRAFT, DEFAULT_MAX_NGRAM, PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.stats import GenerationStats
+from pipeline.errors import ConfigError
+from pipeline.knapspec.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter
+from pipeline.knapspec.drafter import KnapSpecConfig, KnapSpecDrafter, SearchHistory
+from pipeline.knapspec.hybrid import KnapSpecLookupDrafter
+from pipeline.knapspec.latency import LatencyModel
+from pipeline.model import checkpoint
+from pipeline.model.linear import ComputeMode, resolve_compute_mode
 from pipeline.model.sublayer_model import SublayerModel
 
 logger = logging.getLogger(__name__)
 
-SEARCHING_STRATEGIES = ("knapspec", "knapspec-coupled", "clasp", "swift", "early-exit", "knapspec-lookup")
-STRATEGIES = ("hf", "ar", "static", "lookup", "hf-lookup", *SEARCHING_STRATEGIES)
-# Copied drafts: 3 tokens measured better than the layer-skip default of 4 on CPU (see prompt_lookup.py);
-# the searching strategies choose γ themselves up to D (KnapSpecConfig.max_draft).
-_DEFAULT_MAX_DRAFTS = {
-    "lookup": DEFAULT_LOOKUP_MAX_DRAFT,
-    "hf-lookup": DEFAULT_LOOKUP_MAX_DRAFT,
-    **{name: KnapSpecConfig.max_draft for name in SEARCHING_STRATEGIES},
+# (model, model name, force) -> the model's latency table on this device; `force` re-measures.
+# Built by whoever owns calibration (profiling.calibration.store_calibrator): the engine
+# only asks for a table when a searching strategy first needs one.
+Calibrator = Callable[[SublayerModel, str, bool], LatencyModel]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A decoding strategy: how to build its drafter for a request, and its defaults."""
+
+    description: str
+    max_draft: int  # longest draft per step unless the caller says otherwise
+    # (engine, strategy config) -> the request's drafter; None: transformers generate() decodes.
+    build: Callable[[Engine, StrategyConfig], Drafter] | None
+    searching: bool = False  # plans its drafts from the latency model (needs a calibration)
+
+
+def _static(engine: Engine, strategy: StrategyConfig) -> Drafter:
+    spec = engine.model.spec
+    skip = strategy.skip if strategy.skip is not None else default_static_skip(spec.num_layers)
+    return LayerSkipDrafter(skip, spec.num_items, max_draft=strategy.max_draft)
+
+
+def _knapspec(coupled: bool) -> Callable[[Engine, StrategyConfig], Drafter]:
+    def build(engine: Engine, strategy: StrategyConfig) -> Drafter:
+        config = KnapSpecConfig(max_draft=strategy.max_draft, coupled=coupled)
+        return KnapSpecDrafter(engine.latency, config, engine.search_history(strategy.name))
+
+    return build
+
+
+def _knapspec_lookup(engine: Engine, strategy: StrategyConfig) -> Drafter:
+    config = KnapSpecConfig(max_draft=strategy.max_draft)
+    return KnapSpecLookupDrafter(engine.latency, config, PromptLookupDrafter(), engine.search_history(strategy.name))
+
+
+def _baseline(cls: type) -> Callable[[Engine, StrategyConfig], Drafter]:
+    def build(engine: Engine, strategy: StrategyConfig) -> Drafter:
+        return cls(engine.latency, KnapSpecConfig(max_draft=strategy.max_draft))
+
+    return build
+
+
+# Copied drafts: 3 tokens measured better than the layer-skip default of 4 on CPU (see
+# prompt_lookup.py); the searching strategies choose γ themselves up to D.
+_SEARCH_MAX_DRAFT = KnapSpecConfig.max_draft
+REGISTRY: dict[str, Strategy] = {
+    "hf": Strategy("transformers generate(), the outside reference", DEFAULT_MAX_DRAFT, None),
+    "ar": Strategy("our sublayer runner, plain autoregressive decoding", DEFAULT_MAX_DRAFT, lambda e, s: NoDraft()),
+    "static": Strategy("self-speculative decoding with a fixed set of skipped items", DEFAULT_MAX_DRAFT, _static),
+    "lookup": Strategy(
+        "drafts copied from the context (prompt lookup)",
+        DEFAULT_LOOKUP_MAX_DRAFT,
+        lambda e, s: PromptLookupDrafter(max_draft=s.max_draft),
+    ),
+    "hf-lookup": Strategy("transformers generate() with its own prompt lookup", DEFAULT_LOOKUP_MAX_DRAFT, None),
+    "knapspec": Strategy(
+        "the latency-aware knapsack over sublayers, TPT over γ, AR fallback", _SEARCH_MAX_DRAFT, _knapspec(False), True
+    ),
+    "knapspec-coupled": Strategy(
+        "KnapSpec with a layer's attention and MLP skipped together (ablation)", _SEARCH_MAX_DRAFT, _knapspec(True), True
+    ),
+    "clasp": Strategy("CLaSp: layer-granular cosine DP, latency-blind", _SEARCH_MAX_DRAFT, _baseline(ClaspDrafter), True),
+    "swift": Strategy("SWIFT: on-the-fly search of skipped layers", _SEARCH_MAX_DRAFT, _baseline(SwiftDrafter), True),
+    "early-exit": Strategy("the first layers only, the best exit depth", _SEARCH_MAX_DRAFT, _baseline(EarlyExitDrafter), True),
+    "knapspec-lookup": Strategy(
+        "KnapSpec plus prompt-lookup drafts in the same TPT search", _SEARCH_MAX_DRAFT, _knapspec_lookup, True
+    ),
 }
+STRATEGIES = tuple(REGISTRY)
+SEARCHING_STRATEGIES = tuple(name for name, strategy in REGISTRY.items() if strategy.searching)
 
 
 @dataclass(frozen=True)
@@ -54,9 +111,9 @@ class EngineConfig:
     device: str = "cpu"
     cache_dir: Path | None = None
     # The latency model of the searching strategies (a LatencyModel, or a PipelineLatency
-    # of stage tables); None: this device's calibration from the store (measured on first
-    # use, about ten seconds for a small model).
+    # of stage tables); None: the engine's calibrator measures or loads one on first use.
     latency: LatencyModel | None = None
+    # Where calibrations are stored; read by whoever builds the engine's calibrator.
     calibration_dir: Path | None = None
 
 
@@ -64,19 +121,21 @@ class EngineConfig:
 class StrategyConfig:
     name: str = "ar"
     skip: tuple[int, ...] | None = None  # items skipped by `static`; None for the default set
-    max_draft: int | None = None  # None: the strategy's default (3 for the lookups, else 4)
+    max_draft: int | None = None  # None: the strategy's default (REGISTRY)
 
     def __post_init__(self) -> None:
-        if self.name not in STRATEGIES:
+        if self.name not in REGISTRY:
             raise ConfigError(f"unknown strategy {self.name!r}; choose one of {', '.join(STRATEGIES)}")
         if self.max_draft is None:
-            object.__setattr__(self, "max_draft", _DEFAULT_MAX_DRAFTS.get(self.name, DEFAULT_MAX_DRAFT))
+            object.__setattr__(self, "max_draft", REGISTRY[self.name].max_draft)
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model=None) -> None:
+    def __init__(self, config: EngineConfig, model=None, calibrator: Calibrator | None = None) -> None:
         """`model`: an already built model of `config.model` with the SublayerModel interface
-        (a PipelineModel over stage actors); None loads the whole model in this process."""
+        (a PipelineModel over stage actors); None loads the whole model in this process.
+        `calibrator`: where the searching strategies' latency model comes from when
+        `config.latency` is None."""
         self.config = config
         self.device = torch.device(config.device)
         self.mode: ComputeMode = resolve_compute_mode(config.dtype, self.device)
@@ -89,6 +148,7 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(self.path, self.hf_config, self.tokenizer)
         self._hf_model = None
         self._latency = config.latency
+        self._calibrator = calibrator
         # Per strategy: what earlier requests' searches concluded on this model and device.
         self._search_history = {name: SearchHistory() for name in SEARCHING_STRATEGIES}
         logger.info("Loaded %s (%d layers) in %s mode", self.path.name, self.model.spec.num_layers, self.mode.value)
@@ -111,36 +171,27 @@ class Engine:
         return self._latency
 
     def calibrate(self, force: bool = False) -> LatencyModel:
-        """The stored calibration of this model on this device, measured (and stored) when
-        there is none or when `force`: a machine whose load changed re-measures."""
-        # profiling builds on pipeline; imported here so that pipeline imports without it.
-        from profiling.calibration import CalibrationKey, CalibrationStore
-
-        store = CalibrationStore(self.config.calibration_dir)
+        """This model's latency table from the calibrator (stored or measured; `force`
+        re-measures: a machine whose load changed)."""
+        if self._calibrator is None:
+            raise ConfigError(
+                "no latency model for the searching strategies: pass EngineConfig(latency=...) "
+                "or a calibrator (profiling.calibration.store_calibrator)"
+            )
         if not isinstance(self.model, SublayerModel):
             # A sharded model is timed by its stages, on their devices (PipelineModel.calibrate).
             raise ConfigError("this engine's model runs elsewhere: pass its latency model in EngineConfig(latency=...)")
-        key = CalibrationKey.for_model(self.model, self.name)
-        self._latency = store.load_or_measure(self.model, key, force=force).latency
+        self._latency = self._calibrator(self.model, self.name, force)
         return self._latency
 
+    def search_history(self, strategy: str) -> SearchHistory:
+        """What earlier requests of `strategy` on this engine concluded (shared by its drafters)."""
+        return self._search_history[strategy]
+
     def drafter(self, strategy: StrategyConfig) -> Drafter:
-        if strategy.name == "static":
-            skip = strategy.skip if strategy.skip is not None else default_static_skip(self.model.spec.num_layers)
-            return LayerSkipDrafter(skip, self.model.spec.num_items, max_draft=strategy.max_draft)
-        if strategy.name == "lookup":
-            return PromptLookupDrafter(max_draft=strategy.max_draft)
-        if strategy.name in SEARCHING_STRATEGIES:
-            config = KnapSpecConfig(max_draft=strategy.max_draft, coupled=strategy.name == "knapspec-coupled")
-            history = self._search_history[strategy.name]
-            if strategy.name in ("knapspec", "knapspec-coupled"):
-                return KnapSpecDrafter(self.latency, config, history)
-            if strategy.name == "knapspec-lookup":
-                return KnapSpecLookupDrafter(self.latency, config, PromptLookupDrafter(), history)
-            return {"clasp": ClaspDrafter, "swift": SwiftDrafter, "early-exit": EarlyExitDrafter}[strategy.name](
-                self.latency, config
-            )
-        return NoDraft()
+        build = REGISTRY[strategy.name].build
+        # transformers generate() drafts by itself: nothing of ours proposes.
+        return NoDraft() if build is None else build(self, strategy)
 
     def prefill(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> Prefilled:
         return prefill(self.model, prompt_ids, max_new_tokens)
@@ -160,7 +211,7 @@ class Engine:
                 f"{prompt_ids.numel()} prompt tokens + {max_new_tokens} new tokens exceed this model's "
                 f"{self.model.max_context}-token context; shorten the prompt or lower max_new_tokens"
             )
-        if strategy.name in ("hf", "hf-lookup"):
+        if REGISTRY[strategy.name].build is None:
             return self._generate_hf(prompt_ids, config, params, strategy)
         drafter = self.drafter(strategy)
         if prefilled is None:

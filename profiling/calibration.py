@@ -16,7 +16,7 @@ import os
 import platform
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.model import checkpoint
 from pipeline.knapspec.latency import LatencyModel
+from pipeline.model import checkpoint
 
 if TYPE_CHECKING:
     from pipeline.model.sublayer_model import SublayerModel
@@ -224,3 +224,14 @@ class CalibrationStore:
                 logger.warning("measured %s, asked for %s; storing it under what was measured", calibration.key, key)
             self.put(calibration)
         return calibration
+
+
+def store_calibrator(root: Path | None = None) -> Callable[[SublayerModel, str, bool], LatencyModel]:
+    """An engine's calibrator (pipeline.engine.Calibrator): this device's stored table for
+    the model, measured and stored when there is none, or when forced."""
+
+    def calibrate(model: SublayerModel, model_name: str, force: bool) -> LatencyModel:
+        key = CalibrationKey.for_model(model, model_name)
+        return CalibrationStore(root).load_or_measure(model, key, force=force).latency
+
+    return calibrate

@@ -139,9 +139,9 @@ def make_tiny_chat_checkpoint(path: Path, **overrides) -> Path:
     whole jobs (tokenize, chunk, prompt, generate, decode) run on it in seconds."""
     import shutil
 
-    from pipeline.model import checkpoint
-
     from safetensors.torch import load_file, save_file
+
+    from pipeline.model import checkpoint
 
     embedded = checkpoint.resolve_checkpoint(None)
     tokenizer = checkpoint.load_tokenizer(embedded)

@@ -14,9 +14,9 @@ from typing import Protocol
 
 import torch
 
+from pipeline.decoding.sampling import SamplingParams, probabilities, sample
 from pipeline.errors import ConfigError
 from pipeline.model.kv_cache import KVCache
-from pipeline.decoding.sampling import SamplingParams, probabilities, sample
 from pipeline.model.sublayer_model import SublayerModel
 
 DEFAULT_MAX_DRAFT = 4

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.model.linear import ComputeMode
 from pipeline.decoding.sampling import SamplingParams
+from pipeline.model.linear import ComputeMode
 
 
 def prepare_hf_model(model, mode: ComputeMode):

@@ -7,14 +7,15 @@ nothing, so every strategy shares one verification and acceptance path.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
 from pipeline.decoding.drafters import Drafter, DraftRequest, NoDraft
+from pipeline.decoding.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
+from pipeline.decoding.stats import GenerationStats
 from pipeline.errors import ConfigError
 from pipeline.model.kv_cache import KVCache
-from pipeline.decoding.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
 from pipeline.model.sublayer_model import SublayerModel
 
 
@@ -26,44 +27,6 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-
-
-@dataclass
-class GenerationStats:
-    """Per-request decoding statistics. The first new token comes from the prefill
-    forward; `steps` counts the full-model forwards after it."""
-
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    steps: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted / drafted tokens (0.0 when nothing was drafted)."""
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
-
-    @property
-    def mean_accepted_len(self) -> float:
-        """Tokens emitted per full-model forward: accepted drafts plus the target's own token (1.0 for AR)."""
-        return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Decode throughput: tokens after the first, over the time after prefill."""
-        return (self.output_tokens - 1) / self.decode_s if self.decode_s > 0 and self.output_tokens > 1 else 0.0
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.update(
-            acceptance_rate=self.acceptance_rate,
-            mean_accepted_len=self.mean_accepted_len,
-            tokens_per_s=self.tokens_per_s,
-        )
-        return d
 
 
 @dataclass

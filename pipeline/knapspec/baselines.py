@@ -17,11 +17,11 @@ from dataclasses import replace
 import torch
 
 from pipeline.decoding.drafters import DraftRequest
-from pipeline.knapspec.knapsack import KnapsackProblem, branch_runner, default_always_execute
 from pipeline.knapspec.drafter import KnapSpecConfig, KnapSpecDrafter, ReplanningDrafter
+from pipeline.knapspec.knapsack import KnapsackProblem, branch_runner, default_always_execute
 from pipeline.knapspec.latency import LatencyModel
-from pipeline.model.sublayer_model import SublayerModel
 from pipeline.knapspec.tpt import DraftPlan, choose_plan, tokens_per_time
+from pipeline.model.sublayer_model import SublayerModel
 
 DEFAULT_CLASP_SKIP_FRACTION = 0.4
 DEFAULT_SWIFT_SKIP_FRACTION = 0.45

@@ -21,7 +21,6 @@ from pipeline.decoding.drafters import DEFAULT_CONFIDENCE_THRESHOLD, Draft, Draf
 from pipeline.errors import ConfigError
 from pipeline.knapspec.knapsack import DEFAULT_THRESHOLD, KnapsackProblem, default_always_execute
 from pipeline.knapspec.latency import LatencyModel
-from pipeline.model.sublayer_model import SublayerModel
 from pipeline.knapspec.tpt import (
     DEFAULT_MARGIN,
     DEFAULT_PRIOR_MEAN,
@@ -31,6 +30,7 @@ from pipeline.knapspec.tpt import (
     choose_plan,
     smoothed_alpha,
 )
+from pipeline.model.sublayer_model import SublayerModel
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ misses would stop it copying for the rest of a request, however good later copie
 from __future__ import annotations
 
 from pipeline.decoding.drafters import Draft, DraftRequest
+from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.knapspec.drafter import KnapSpecConfig, KnapSpecDrafter, SearchHistory
 from pipeline.knapspec.latency import LatencyModel
-from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 
 # Copied tokens come in runs (a phrase is right as a whole or not), so the per-token
 # geometric model of TPT misjudges them: the hybrid counts, for each draft position j,

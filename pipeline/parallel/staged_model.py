@@ -31,14 +31,13 @@ from typing import Any, Protocol
 
 import torch
 
-from pipeline.model import checkpoint
 from pipeline.errors import ConfigError
 from pipeline.knapspec.knapsack import Frontier, KnapsackProblem, advance, branch_runner
+from pipeline.knapspec.latency import LatencyModel, PipelineLatency
+from pipeline.model import checkpoint
 from pipeline.model.kv_cache import KVCache
-from pipeline.knapspec.latency import LatencyModel
 from pipeline.model.linear import ComputeMode
 from pipeline.model.spec import ModelSpec
-from pipeline.knapspec.pipeline_latency import PipelineLatency
 from pipeline.model.sublayer_model import ForwardOutput, SublayerModel, check_context, prefill_in_chunks
 from pipeline.parallel.tensor_parallel import shard_config, shard_reader
 from pipeline.throttle import throttle

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field, replace
 
 import pyarrow as pa
 
-from pipeline.summarization.chunking import SummaryRequest, check_chunk_budget, map_reduce
+from pipeline.decoding.sampling import SamplingParams
 from pipeline.errors import ConfigError, KnapSpecError
+from pipeline.summarization.chunking import SummaryRequest, check_chunk_budget, map_reduce
 from pipeline.summarization.output import STATUS_OK, error_row, now, rows_to_table
 from pipeline.summarization.prompts import build_prompt
-from pipeline.decoding.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -6,13 +6,13 @@ import itertools
 
 import pytest
 import torch
-from tests.builders import chi_square_p_value, exact_joint_law, load_tiny
 
-from pipeline.decoding.loop import DecodeConfig, decode, prefill
 from pipeline.decoding.drafters import LayerSkipDrafter, NoDraft, default_static_skip
-from pipeline.errors import ConfigError
 from pipeline.decoding.hf_reference import run_hf_generate
+from pipeline.decoding.loop import DecodeConfig, decode, prefill
 from pipeline.decoding.sampling import SamplingParams, accept_greedy, probabilities
+from pipeline.errors import ConfigError
+from tests.builders import chi_square_p_value, exact_joint_law, load_tiny
 
 EOS = frozenset({2})
 

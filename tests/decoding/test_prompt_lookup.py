@@ -7,16 +7,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tests.builders import chi_square_p_value, exact_joint_law, load_tiny, sample_documents
 
-from pipeline.decoding.loop import DecodeConfig, decode, prefill
 from pipeline.decoding.drafters import DEFAULT_MAX_DRAFT, DraftRequest, NoDraft
+from pipeline.decoding.hf_reference import run_hf_generate
+from pipeline.decoding.loop import DecodeConfig, decode, prefill
+from pipeline.decoding.prompt_lookup import DEFAULT_LOOKUP_MAX_DRAFT, PromptLookupDrafter
+from pipeline.decoding.sampling import SamplingParams
 from pipeline.engine import StrategyConfig
 from pipeline.errors import ConfigError
-from pipeline.decoding.hf_reference import run_hf_generate
-from pipeline.decoding.prompt_lookup import DEFAULT_LOOKUP_MAX_DRAFT, PromptLookupDrafter
 from pipeline.summarization.prompts import build_prompt
-from pipeline.decoding.sampling import SamplingParams
+from tests.builders import chi_square_p_value, exact_joint_law, load_tiny, sample_documents
 
 EOS = frozenset({2})
 GREEDY = SamplingParams()

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from tests.builders import sample_documents
 
 from pipeline.engine import Engine, EngineConfig, StrategyConfig
 from pipeline.summarization.prompts import build_prompt
+from tests.builders import sample_documents
 
 pytestmark = pytest.mark.slow
 

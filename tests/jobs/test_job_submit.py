@@ -15,8 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.builders import REPO, sample_documents
 from pipeline.summarization.output import read_output
+from tests.builders import REPO, sample_documents
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

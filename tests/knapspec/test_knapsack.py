@@ -7,10 +7,10 @@ import itertools
 
 import pytest
 import torch
-from tests.builders import load_tiny
 
 from pipeline.errors import ConfigError
 from pipeline.knapspec.knapsack import Frontier, KnapsackProblem, advance, default_always_execute, run_dp
+from tests.builders import load_tiny
 
 
 def brute_force(values, weights, budget, always_execute=()):

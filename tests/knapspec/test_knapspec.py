@@ -6,16 +6,15 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tests.builders import SEARCH_CONFIG, load_tiny, synthetic_latency
 
-from pipeline.knapspec.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter, evaluate_skip_sets
-from pipeline.decoding.loop import DecodeConfig, decode, prefill
 from pipeline.decoding.drafters import NoDraft
-from pipeline.knapspec.hybrid import KnapSpecLookupDrafter
-from pipeline.knapspec.drafter import KnapSpecConfig, KnapSpecDrafter
-from pipeline.knapspec.latency import LatencyModel
+from pipeline.decoding.loop import DecodeConfig, decode, prefill
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
+from pipeline.knapspec.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter, evaluate_skip_sets
+from pipeline.knapspec.drafter import KnapSpecConfig, KnapSpecDrafter
+from pipeline.knapspec.hybrid import KnapSpecLookupDrafter
+from tests.builders import SEARCH_CONFIG, load_tiny, synthetic_latency
 
 # Few reference tokens and a weak prior: tiny models give the DP little to go on. Searches
 # every 6 steps could never fit a 5% time budget; these tests are about what they find.

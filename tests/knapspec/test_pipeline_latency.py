@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.knapspec.latency import LatencyModel
-from pipeline.knapspec.pipeline_latency import PipelineLatency
+from pipeline.knapspec.latency import LatencyModel, PipelineLatency
 
 MS = 1e-3
 

@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
-from tests.builders import make_tiny_checkpoint
 
-from pipeline.model import checkpoint
 from pipeline.errors import ConfigError, UnsupportedModelError
+from pipeline.model import checkpoint
 from pipeline.model.spec import ModelSpec
+from tests.builders import make_tiny_checkpoint
 
 
 def write_config(folder, **config):

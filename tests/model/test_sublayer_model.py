@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.builders import load_tiny
 
 from pipeline.errors import ConfigError, KnapSpecError
+from tests.builders import load_tiny
 
 ATOL = 1e-4
 

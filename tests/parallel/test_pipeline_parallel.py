@@ -3,22 +3,30 @@ or as Ray actors — gives the single-process model's logits and tokens for ever
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import pytest
 import torch
-from tests.builders import SAMPLE_DOCS, SEARCH_CONFIG, generate, items_skipped_per_stage, load_tiny, make_tiny_chat_checkpoint, make_tiny_checkpoint, random_prompt, synthetic_latency
 
-from pipeline.model import checkpoint
-from pipeline.decoding.loop import DecodeConfig, decode, prefill
 from pipeline.decoding.drafters import LayerSkipDrafter, NoDraft
-from pipeline.errors import ConfigError
-from pipeline.knapspec.knapsack import KnapsackProblem
-from pipeline.knapspec.drafter import KnapSpecDrafter
-from pipeline.model.linear import ComputeMode
 from pipeline.decoding.sampling import SamplingParams
+from pipeline.errors import ConfigError
+from pipeline.knapspec.drafter import KnapSpecDrafter
+from pipeline.knapspec.knapsack import KnapsackProblem
+from pipeline.model import checkpoint
+from pipeline.model.linear import ComputeMode
 from pipeline.parallel.staged_model import PipelineModel, StageLayout, StageModel, partition_layers
+from tests.builders import (
+    SAMPLE_DOCS,
+    SEARCH_CONFIG,
+    generate,
+    items_skipped_per_stage,
+    load_tiny,
+    make_tiny_chat_checkpoint,
+    make_tiny_checkpoint,
+    random_prompt,
+    synthetic_latency,
+)
 
 
 @pytest.fixture(scope="module")

@@ -9,16 +9,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from tests.builders import SEARCH_CONFIG, generate, load_tiny, make_tiny_checkpoint, random_prompt, synthetic_latency
 
-from pipeline.model import checkpoint
 from pipeline.decoding.drafters import NoDraft
 from pipeline.errors import ConfigError
 from pipeline.knapspec.drafter import KnapSpecDrafter
+from pipeline.model import checkpoint
 from pipeline.model.linear import ComputeMode
 from pipeline.model.spec import ModelSpec
 from pipeline.parallel.staged_model import PipelineModel, StageLayout, StageModel, partition_layers
 from pipeline.parallel.tensor_parallel import check_tensor_parallel, shard_config, shard_rule, shard_tensor
+from tests.builders import SEARCH_CONFIG, generate, load_tiny, make_tiny_checkpoint, random_prompt, synthetic_latency
 
 FAMILIES = {
     "llama-bias": ("llama", {"attention_bias": True}),  # o_proj has a bias: added once, not T times
@@ -201,9 +201,8 @@ def test_a_lost_rank_fails_the_request_with_a_clear_error(tmp_path):
     import ray
 
     from actors.replica import PipelineReplica
-    from pipeline.engine import EngineConfig, StrategyConfig
     from pipeline.decoding.sampling import SamplingParams
-
+    from pipeline.engine import EngineConfig, StrategyConfig
     from tests.builders import make_tiny_chat_checkpoint
 
     ray.init(address="local", num_cpus=2, include_dashboard=False)
@@ -232,9 +231,8 @@ def test_requests_in_flight_share_a_group_without_deadlock(tmp_path):
     import ray
 
     from actors.replica import EngineReplica, PipelineReplica
-    from pipeline.engine import EngineConfig, StrategyConfig
     from pipeline.decoding.sampling import SamplingParams
-
+    from pipeline.engine import EngineConfig, StrategyConfig
     from tests.builders import make_tiny_chat_checkpoint
 
     model = make_tiny_chat_checkpoint(tmp_path / "model", num_hidden_layers=2)

@@ -9,13 +9,21 @@ import subprocess
 import sys
 
 import pytest
-from tests.builders import REPO, SEARCH_CONFIG, generate, items_skipped_per_stage, load_tiny, make_tiny_checkpoint, random_prompt
 
 from pipeline.decoding.drafters import NoDraft
 from pipeline.errors import ConfigError
 from pipeline.knapspec.drafter import KnapSpecDrafter
 from pipeline.model.linear import ComputeMode
 from pipeline.throttle import SUBLAYER_DELAY_ENV
+from tests.builders import (
+    REPO,
+    SEARCH_CONFIG,
+    generate,
+    items_skipped_per_stage,
+    load_tiny,
+    make_tiny_checkpoint,
+    random_prompt,
+)
 
 pytestmark = pytest.mark.ray
 

@@ -24,13 +24,14 @@ from pipeline.knapspec.latency import LatencyModel
 from pipeline.model.linear import ComputeMode
 from profiling import microbench
 from profiling.calibration import (
+    FORMAT_VERSION,
     Calibration,
     CalibrationFormatError,
     CalibrationKey,
-    FORMAT_VERSION,
     CalibrationStore,
     cpu_model_name,
     device_name,
+    store_calibrator,
 )
 from profiling.fit import fit_linear, relative_rms
 from profiling.timer import (
@@ -471,10 +472,13 @@ def test_an_engine_measures_once_and_again_when_forced(tiny_chat_checkpoint, tmp
     calls = []
     real = microbench.measure
     monkeypatch.setattr(microbench, "measure", lambda *a, **k: calls.append(1) or real(*a, **k, repeats=1))
-    config = EngineConfig(model=str(tiny_chat_checkpoint), dtype="fp32", calibration_dir=tmp_path)
-    engine = Engine(config)
+    config = EngineConfig(model=str(tiny_chat_checkpoint), dtype="fp32")
+    calibrator = store_calibrator(tmp_path)
+    engine = Engine(config, calibrator=calibrator)
     first = engine.latency
     assert engine.latency is first and len(calls) == 1
-    assert Engine(config).latency == first and len(calls) == 1  # stored: a new engine reads it
+    assert Engine(config, calibrator=calibrator).latency == first and len(calls) == 1  # stored: a new engine reads it
     engine.calibrate(force=True)  # a machine whose load changed measures again
-    assert len(calls) == 2 and Engine(config).latency == engine.latency
+    assert len(calls) == 2 and Engine(config, calibrator=calibrator).latency == engine.latency
+    with pytest.raises(ConfigError, match="calibrator"):
+        Engine(config).latency  # neither a latency model nor a calibrator: say what to pass

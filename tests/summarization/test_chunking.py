@@ -8,8 +8,8 @@ import re
 import string
 
 import pytest
-from tests.builders import sample_documents
 
+from pipeline.errors import ConfigError, RowError
 from pipeline.summarization.chunking import (
     MapReduceResult,
     SummaryRequest,
@@ -18,7 +18,7 @@ from pipeline.summarization.chunking import (
     split_into_chunks,
     split_paragraphs,
 )
-from pipeline.errors import ConfigError, RowError
+from tests.builders import sample_documents
 
 DOCS = {d["id"]: d["text"] for d in sample_documents()}
 # Different shapes of text: a short report, a report with a 3,500-character

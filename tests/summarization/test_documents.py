@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import ray
-from tests.builders import sample_documents
 
+from pipeline.errors import ConfigError
 from pipeline.summarization.documents import (
     DEFAULT_REFERENCE_COLUMN,
     DOCUMENT_SCHEMA,
@@ -24,7 +24,7 @@ from pipeline.summarization.documents import (
     resolve_input,
     validate_row,
 )
-from pipeline.errors import ConfigError
+from tests.builders import sample_documents
 
 pytestmark = pytest.mark.ray
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.builders import sample_documents
+from pipeline.decoding.sampling import SamplingParams
 from pipeline.errors import ConfigError, RowError
 from pipeline.summarization.output import OUTPUT_COLUMNS, rows_to_table
-from pipeline.decoding.sampling import SamplingParams
 from pipeline.summarization.summarizer import DocumentSummarizer, SummarizeBatch, SummarizeSettings, rouge
+from tests.builders import sample_documents
 
 
 @pytest.fixture(scope="module")
