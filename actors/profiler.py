@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipeline.knapspec.latency import PipelineLatency
 from pipeline.model.linear import ComputeMode
-from profiling.calibration import Calibration
+from profiling.record import Calibration
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,6 @@ def measure_device(
 
     from pipeline.model import checkpoint
     from pipeline.parallel.tensor_parallel import shard_config
-    from pipeline.throttle import node_sublayer_delay
     from profiling.device_profile import device_calibration
 
     if num_threads is not None:
@@ -58,7 +57,6 @@ def measure_device(
         ComputeMode(mode),
         device,
         Path(store_dir) if store_dir else None,
-        node_sublayer_delay(),
         **measure_kwargs,
     )
 
@@ -81,7 +79,7 @@ class ProfilerActor:
         self.calibrations: dict[tuple, Calibration] = {}
 
     def node(self) -> dict:
-        from profiling.calibration import cpu_model_name
+        from profiling.record import cpu_model_name
 
         return {"node_id": self.node_id, "cpu": cpu_model_name(), "resources": _node_resources(self.node_id)}
 

@@ -26,9 +26,9 @@ from pipeline.errors import ConfigError
 from pipeline.model.linear import ComputeMode
 from pipeline.model.spec import ModelSpec
 from pipeline.model.sublayer_model import max_context_of, prefill_chunk_for
-from pipeline.parallel.staged_model import PipelineModel, StageLayout, StageModel, partition_layers
+from pipeline.parallel.layout import StageLayout, stage_layouts
+from pipeline.parallel.staged_model import PipelineModel, StageModel
 from pipeline.parallel.tensor_parallel import check_tensor_parallel
-from pipeline.throttle import node_sublayer_delay
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +62,7 @@ class ShardActor:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         started = time.perf_counter()
-        self.stage = StageModel(
-            Path(path), layout, ComputeMode(mode), device, node_sublayer_delay(), tp_rank=tp_rank, tp_size=tp_size
-        )
+        self.stage = StageModel(Path(path), layout, ComputeMode(mode), device, tp_rank=tp_rank, tp_size=tp_size)
         self.device = device
         self.load_s = time.perf_counter() - started
 
@@ -246,9 +244,7 @@ def start_pipeline(
 
     config = checkpoint.load_config(path)
     spec = ModelSpec.from_hf_config(config)
-    layouts = [
-        StageLayout(i, num_stages, first, end) for i, (first, end) in enumerate(partition_layers(spec.num_layers, num_stages))
-    ]
+    layouts = stage_layouts(spec.num_layers, num_stages)
     check_tensor_parallel(spec, tensor_parallel)
     owns_group = group is None
     if owns_group:

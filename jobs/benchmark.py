@@ -16,20 +16,14 @@ Writes OUT/benchmark.json and prints markdown tables.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-# jobs/profile.py would shadow the standard library's `profile` module (which torch and
-# transformers import) for every script run from this folder: take the folder off the path.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
-
 import argparse
 import json
 import logging
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -38,8 +32,11 @@ from pipeline.decoding.loop import DecodeConfig, decode, prefill
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engine import SEARCHING_STRATEGIES, STRATEGIES, Engine, EngineConfig, StrategyConfig
 from pipeline.errors import KnapSpecError
-from pipeline.knapspec.drafter import KnapSpecConfig, KnapSpecDrafter, search_candidates
+from pipeline.knapspec.drafter import KnapSpecDrafter, search_candidates
+from pipeline.knapspec.replanning import KnapSpecConfig
 from pipeline.knapspec.tpt import choose_plan
+from pipeline.logs import configure_logging
+from pipeline.model import items
 from pipeline.summarization.prompts import build_prompt
 from profiling.calibration import store_calibrator
 
@@ -146,7 +143,7 @@ def verify_costs(engine: Engine, prompt_ids: torch.Tensor, rounds: int = 9) -> d
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    configure_logging()
     if args.pipeline_parallel:
         return pipeline_throughput(args)
     pairs = [tuple(s.split(":")) for s in args.strategies.split(",")]
@@ -260,9 +257,9 @@ def format_forced(forced: list[dict]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for f in forced:
-        attn = sum(1 for i in f["skip"] if i % 2 == 0)
+        attn, mlp = items.count_kinds(f["skip"])
         lines.append(
-            f"| {f['doc_id']} | {f['context_tokens']} | {attn} / {len(f['skip']) - attn} | {f['gamma']} "
+            f"| {f['doc_id']} | {f['context_tokens']} | {attn} / {mlp} | {f['gamma']} "
             f"| {f['alpha']:.2f} | {f['predicted_tpt']:.1f} | {f['predicted_vs_ar']:.2f}× "
             f"| {f['measured_tpt']:.1f} | {f['acceptance_rate']:.2f} |"
         )

@@ -10,28 +10,21 @@ they are checked before the model is loaded, as far as they can be without it.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-# jobs/profile.py would shadow the standard library's `profile` module (which torch and
-# transformers import) for every script run from this folder: take the folder off the path.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
-
 import argparse
 import dataclasses
 import json
 import logging
 import os
+import sys
+from pathlib import Path
 
 import torch
 
-from pipeline.cli import Parser, positive_int, usage_error
-from pipeline.decoding.drafters import DEFAULT_MAX_DRAFT
-from pipeline.decoding.prompt_lookup import DEFAULT_LOOKUP_MAX_DRAFT
+from pipeline.cli import Parser, check_device, check_model, positive_int, run_reporting_errors
 from pipeline.decoding.sampling import SamplingParams
-from pipeline.engine import SEARCHING_STRATEGIES, STRATEGIES, Engine, EngineConfig, StrategyConfig
-from pipeline.errors import ConfigError, KnapSpecError, RowError
+from pipeline.engine import REGISTRY, SEARCHING_STRATEGIES, STRATEGIES, Engine, EngineConfig, StrategyConfig
+from pipeline.errors import ConfigError, RowError
+from pipeline.logs import configure_logging
 from pipeline.model import checkpoint
 from pipeline.model.linear import DTYPE_CHOICES, resolve_compute_mode
 from pipeline.summarization.prompts import DEFAULT_INSTRUCTION, build_prompt
@@ -88,7 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--max-draft",
         type=positive_int,
-        help=f"most drafted tokens per step (default: {DEFAULT_MAX_DRAFT}; {DEFAULT_LOOKUP_MAX_DRAFT} for the lookups)",
+        help=f"most drafted tokens per step (default: {REGISTRY['static'].max_draft}; {REGISTRY['lookup'].max_draft} "
+        f"for the lookups; {REGISTRY['knapspec'].max_draft} for the searching strategies, which choose γ below it)",
     )
     parser.add_argument("--instruction", default=DEFAULT_INSTRUCTION, help="prompt template containing {document}")
     parser.add_argument("--cache-dir", type=Path, help=f"default: {checkpoint.default_cache_dir()}")
@@ -232,17 +226,10 @@ def _some_ids(ids: list) -> str:
 
 def _check_settings(args: argparse.Namespace) -> tuple[StrategyConfig, SamplingParams]:
     """Everything that can be checked without the model."""
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise ConfigError(f"unknown device {args.device!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {args.device!r} asked for, but CUDA is not available")
-    resolve_compute_mode(args.dtype, device)
+    check_device(args.device, args.dtype)
     if "{document}" not in args.instruction:
         raise ConfigError("the instruction template must contain '{document}'")
-    if args.model is not None and args.model != checkpoint.EMBEDDED_MODEL:
-        checkpoint.resolve_checkpoint(args.model)  # a bad folder fails here, not after the imports of a load
+    check_model(args.model)
     if args.tensor_parallel > 1:
         from pipeline.model.spec import ModelSpec
         from pipeline.parallel.tensor_parallel import check_tensor_parallel
@@ -351,19 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     if (args.pipeline_parallel > 1 or args.tensor_parallel > 1) and args.address is None:
         # A local cluster needs no network: Ray stays on 127.0.0.1 (it reads this when imported).
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    logging.basicConfig(
-        level=logging.WARNING if args.quiet else logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    try:
-        record = run(args)
-    except (KnapSpecError, OSError, ValueError) as e:
-        return usage_error(e)
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    if args.json:
+    configure_logging(args.quiet)
+    return run_reporting_errors(lambda: _print(run(args), args.json))
+
+
+def _print(record: dict, as_json: bool) -> int:
+    if as_json:
         print(json.dumps(record, ensure_ascii=False))
     else:
         print(record["text"])

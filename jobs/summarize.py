@@ -14,20 +14,15 @@ code 2 before any work starts.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-# jobs/profile.py would shadow the standard library's `profile` module (which torch and
-# transformers import) for every script run from this folder: take the folder off the path.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
-
 import argparse
 import logging
 import os
+import sys
 import time
+from pathlib import Path
 
-from pipeline.cli import Parser, positive_float, positive_int, usage_error
+from pipeline.cli import Parser, positive_float, positive_int, run_reporting_errors
+from pipeline.logs import configure_logging
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_INPUT = REPO / "data" / "sample.jsonl"
@@ -132,7 +127,7 @@ def _check_args(args: argparse.Namespace):
     from pipeline.model.linear import resolve_compute_mode
     from pipeline.model.spec import ModelSpec
     from pipeline.parallel.tensor_parallel import check_tensor_parallel
-    from pipeline.summarization.documents import resolve_input
+    from pipeline.summarization.inputs import resolve_input
     from pipeline.summarization.output import prepare_output
 
     if (args.pipeline_parallel > 1 or args.tensor_parallel > 1) and args.strategy in ("hf", "hf-lookup"):
@@ -177,9 +172,10 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.engine import EngineConfig, StrategyConfig
     from pipeline.errors import ConfigError
     from pipeline.model import checkpoint
-    from pipeline.summarization.documents import count_ids, find_duplicate_ids, read_documents
-    from pipeline.summarization.sink import SummarySink
-    from pipeline.summarization.summarizer import SummarizeBatch, SummarizeSettings
+    from pipeline.summarization.datasource import read_documents
+    from pipeline.summarization.rows import count_ids, find_duplicate_ids
+    from pipeline.summarization.stage import SummarizeBatch, SummarySink
+    from pipeline.summarization.summarizer import SummarizeSettings
 
     spec, resume = _check_args(args)
     started = time.perf_counter()
@@ -272,20 +268,13 @@ def main(argv: list[str] | None = None) -> int:
         # A local run needs no network: keep Ray on the loopback interface (on Linux Ray
         # otherwise binds the machine's interface address). Ray reads this when imported.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    logging.basicConfig(
-        level=logging.WARNING if args.quiet else logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.quiet)
     from pipeline.errors import KnapSpecError
 
-    try:
-        return run(args)
-    except (KnapSpecError, OSError) as e:
-        return usage_error(e)
-    except KeyboardInterrupt:
-        print("error: interrupted; rerun with --resume to continue", file=sys.stderr)
-        return 130
+    # Not every ValueError: a bug in a data stage should show its traceback.
+    return run_reporting_errors(
+        lambda: run(args), errors=(KnapSpecError, OSError), interrupted="interrupted; rerun with --resume to continue"
+    )
 
 
 if __name__ == "__main__":

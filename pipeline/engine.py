@@ -22,9 +22,10 @@ from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.stats import GenerationStats
 from pipeline.errors import ConfigError
 from pipeline.knapspec.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter
-from pipeline.knapspec.drafter import KnapSpecConfig, KnapSpecDrafter, SearchHistory
+from pipeline.knapspec.drafter import KnapSpecDrafter
 from pipeline.knapspec.hybrid import KnapSpecLookupDrafter
 from pipeline.knapspec.latency import LatencyModel
+from pipeline.knapspec.replanning import KnapSpecConfig, SearchHistory
 from pipeline.model import checkpoint
 from pipeline.model.linear import ComputeMode, resolve_compute_mode
 from pipeline.model.sublayer_model import SublayerModel

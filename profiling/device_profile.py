@@ -21,8 +21,8 @@ from pipeline.knapspec.latency import LatencyModel
 from pipeline.model.linear import ComputeMode
 from pipeline.model.spec import ModelSpec
 from pipeline.model.sublayer_model import SublayerModel
-from pipeline.throttle import throttle
-from profiling.calibration import Calibration, CalibrationKey, CalibrationStore
+from profiling.calibration import CalibrationStore
+from profiling.record import Calibration, CalibrationKey
 
 # The calibration layout of a device table: per-layer costs, valid for any stage of any split.
 LAYER_SHAPES_LAYOUT = "layer-shapes"
@@ -93,17 +93,14 @@ def device_calibration(
     mode: ComputeMode,
     device: torch.device | str = "cpu",
     store_dir=None,
-    sublayer_delay_s: float = 0.0,
     **measure_kwargs,
 ) -> Calibration:
     """This device's per-layer calibration for `config`'s shapes, from the store or measured
-    on a shaped model (and stored). A test delay (pipeline.throttle) is part of the key."""
+    on a shaped model (and stored)."""
     model = shaped_model(config, mode, device)
-    throttle(model, sublayer_delay_s)
-    layout = LAYER_SHAPES_LAYOUT + (f"-delay{sublayer_delay_s * 1e6:.0f}us" if sublayer_delay_s > 0 else "")
     # The shapes are what was timed: two checkpoints of one name and other shapes are two keys.
     shapes = hashlib.sha256(repr(ModelSpec.from_hf_config(config)).encode()).hexdigest()[:8]
-    key = CalibrationKey.for_model(model, f"{model_name}-{shapes}", layout=layout)
+    key = CalibrationKey.for_model(model, f"{model_name}-{shapes}", layout=LAYER_SHAPES_LAYOUT)
     return CalibrationStore(store_dir).load_or_measure(model, key, **measure_kwargs)
 
 

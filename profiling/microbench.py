@@ -22,9 +22,10 @@ import torch
 
 from pipeline.errors import ConfigError
 from pipeline.knapspec.latency import LatencyModel
+from pipeline.model.items import attention_item, mlp_item
 from pipeline.model.sublayer_model import SublayerModel
-from profiling.calibration import DEFAULT_LAYOUT, Calibration, device_name
 from profiling.fit import fit_linear, relative_rms
+from profiling.record import DEFAULT_LAYOUT, Calibration, device_name
 from profiling.timer import benchmark_interleaved, timer_for
 
 logger = logging.getLogger(__name__)
@@ -79,11 +80,11 @@ def measure(
     h = torch.randn(1, spec.hidden_size, generator=generator, device=device).to(model.dtype)  # [1, d]
     token_ids = torch.randint(spec.vocab_size, (max_verify,), generator=generator, device=device)  # [max_verify]
 
-    def sweep(kind: int, n: int) -> Callable[[], None]:
+    def sweep(item_of: Callable[[int], int], n: int) -> Callable[[], None]:
         # The same input for every layer: chaining outputs would let values drift over rounds.
         def run() -> None:
             for layer in range(num_layers):
-                model.run_item(2 * layer + kind, h, cache, n)
+                model.run_item(item_of(layer), h, cache, n)
 
         return run
 
@@ -108,8 +109,8 @@ def measure(
 
         return run
 
-    tasks: dict[str, Callable[[], object]] = {f"attn@{n}": sweep(0, n) for n in lengths}
-    tasks["mlp"] = sweep(1, 0)
+    tasks: dict[str, Callable[[], object]] = {f"attn@{n}": sweep(attention_item, n) for n in lengths}
+    tasks["mlp"] = sweep(mlp_item, 0)
     tasks["fixed"] = fixed
     tasks.update({f"verify@{k}": verify(k) for k in range(1, max_verify + 1)})
     tasks.update({f"search@{m}": search(m) for m in SEARCH_BRANCH_TOKENS})

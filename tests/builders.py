@@ -11,8 +11,9 @@ import torch
 
 from pipeline.decoding.loop import DecodeConfig, decode, prefill
 from pipeline.decoding.sampling import SamplingParams
-from pipeline.knapspec.drafter import KnapSpecConfig, search_candidates
+from pipeline.knapspec.drafter import search_candidates
 from pipeline.knapspec.latency import LatencyModel
+from pipeline.knapspec.replanning import KnapSpecConfig
 
 REPO = Path(__file__).resolve().parent.parent
 

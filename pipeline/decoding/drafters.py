@@ -16,6 +16,7 @@ import torch
 
 from pipeline.decoding.sampling import SamplingParams, probabilities, sample
 from pipeline.errors import ConfigError
+from pipeline.model import items
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.sublayer_model import SublayerModel
 
@@ -119,11 +120,11 @@ class LayerSkipDrafter:
 
 
 def validate_skip(skip: Iterable[int], num_items: int) -> list[int]:
-    items = sorted(set(skip))
-    bad = [i for i in items if not 0 <= i < num_items]
+    chosen = sorted(set(skip))
+    bad = [i for i in chosen if not 0 <= i < num_items]
     if bad:
         raise ConfigError(f"skip items {bad} are out of range: this model has items 0..{num_items - 1}")
-    return items
+    return chosen
 
 
 def default_static_skip(num_layers: int, fraction: float = 0.25) -> list[int]:
@@ -135,4 +136,4 @@ def default_static_skip(num_layers: int, fraction: float = 0.25) -> list[int]:
     num_skip = max(1, round(fraction * num_layers))
     first = max(1, num_layers // 10)
     layers = range(first, min(num_layers - 1, first + num_skip))
-    return [2 * i for i in layers]
+    return [items.attention_item(i) for i in layers]

@@ -17,10 +17,11 @@ from dataclasses import replace
 import torch
 
 from pipeline.decoding.drafters import DraftRequest
-from pipeline.knapspec.drafter import KnapSpecConfig, KnapSpecDrafter, ReplanningDrafter
-from pipeline.knapspec.knapsack import KnapsackProblem, branch_runner, default_always_execute
+from pipeline.knapspec.knapsack import KnapsackProblem, branch_runner, default_always_execute, run_knapsack
 from pipeline.knapspec.latency import LatencyModel
+from pipeline.knapspec.replanning import KnapSpecConfig, ReplanningDrafter, top1_tokens
 from pipeline.knapspec.tpt import DraftPlan, choose_plan, tokens_per_time
+from pipeline.model import items
 from pipeline.model.sublayer_model import SublayerModel
 
 DEFAULT_CLASP_SKIP_FRACTION = 0.4
@@ -32,7 +33,7 @@ DEFAULT_SWIFT_INTERVAL = 8
 DEFAULT_EXIT_DEPTHS = (0.25, 1 / 3, 0.5, 2 / 3, 0.75)
 
 
-class ClaspDrafter(KnapSpecDrafter):
+class ClaspDrafter(ReplanningDrafter):
     """CLaSp: layers of weight 1 (latency-blind), a fixed number of them skipped."""
 
     def __init__(
@@ -52,17 +53,17 @@ class ClaspDrafter(KnapSpecDrafter):
             always_execute=frozenset({0, num_layers - 1}),
             max_branches=self.config.max_branches,
         )
-        frontier = model.run_knapsack(cache, ref_ids, problem, prefix, layer_rows=True)
-        top1 = _top1(model, frontier.hidden)
+        frontier = run_knapsack(model, cache, ref_ids, problem, prefix, layer_rows=True)
+        top1 = top1_tokens(model, frontier.hidden)
         full = top1[frontier.weights.index(0)]
         # The deepest budget the DP reached: CLaSp skips as many layers as it is told to.
         b = max(range(len(frontier.weights)), key=frontier.weights.__getitem__)
-        skip = frozenset(j for layer in frontier.skips[b] for j in (2 * layer, 2 * layer + 1))
+        skip = items.items_of_layers(frontier.skips[b])
         scored = self.score(skip, top1[b], full, context)
         return _always_speculate(scored.skip, scored.alpha, scored.t_draft, self, context)
 
 
-class SwiftDrafter(KnapSpecDrafter):
+class SwiftDrafter(ReplanningDrafter):
     """SWIFT: sample skip sets, keep the best by acceptance, freeze after a few rounds."""
 
     def __init__(
@@ -103,7 +104,7 @@ class SwiftDrafter(KnapSpecDrafter):
         return _always_speculate(skip, alpha, self.latency.t_draft(skip, context), self, context)
 
 
-class EarlyExitDrafter(KnapSpecDrafter):
+class EarlyExitDrafter(ReplanningDrafter):
     """Draft with the first k layers and the LM head; k and γ chosen by predicted TPT."""
 
     def __init__(self, latency: LatencyModel, config: KnapSpecConfig, depths=DEFAULT_EXIT_DEPTHS) -> None:
@@ -122,11 +123,11 @@ class EarlyExitDrafter(KnapSpecDrafter):
             h = run_layer(layer, h)
             if layer + 1 in exits:
                 hidden_at_exit[layer + 1] = h[0]
-        full = _top1(model, h)[0]
+        full = top1_tokens(model, h)[0]
         scored = []
         for depth, hidden in hidden_at_exit.items():
-            skip = frozenset(range(2 * depth, 2 * num_layers))
-            scored.append(self.score(skip, _top1(model, hidden[None])[0], full, context))
+            skip = frozenset(items.item_range(depth, num_layers))
+            scored.append(self.score(skip, top1_tokens(model, hidden[None])[0], full, context))
         # DEL always speculates: the best exit by TPT, with no fallback to AR.
         return choose_plan(scored, lambda k: self.latency.t_verify(k, context), self.config.max_draft, margin=-1.0)
 
@@ -142,12 +143,7 @@ def evaluate_skip_sets(
             continue
         executed = model.run_item_branches(item, h, cache, prefix)
         h = torch.where(skipped[:, None, None], h, executed)
-    return _top1(model, h)
-
-
-def _top1(model: SublayerModel, hidden: torch.Tensor) -> torch.Tensor:
-    num_branches, num_tokens, d = hidden.shape
-    return model.logits(hidden.reshape(-1, d)).argmax(-1).view(num_branches, num_tokens)
+    return top1_tokens(model, h)
 
 
 def _always_speculate(

@@ -9,204 +9,17 @@ or plain decoding when speculation is not predicted to win.
 
 from __future__ import annotations
 
-import logging
-import statistics
 import time
-from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
-from pipeline.decoding.drafters import DEFAULT_CONFIDENCE_THRESHOLD, Draft, DraftRequest, LayerSkipDrafter
-from pipeline.errors import ConfigError
-from pipeline.knapspec.knapsack import DEFAULT_THRESHOLD, KnapsackProblem, default_always_execute
-from pipeline.knapspec.latency import LatencyModel
-from pipeline.knapspec.tpt import (
-    DEFAULT_MARGIN,
-    DEFAULT_PRIOR_MEAN,
-    DEFAULT_PRIOR_STRENGTH,
-    DraftPlan,
-    ScoredCandidate,
-    choose_plan,
-    smoothed_alpha,
-)
+from pipeline.decoding.drafters import DraftRequest
+from pipeline.knapspec.knapsack import KnapsackProblem, default_always_execute, run_knapsack
+from pipeline.knapspec.replanning import KnapSpecConfig, ReplanningDrafter, top1_tokens
+from pipeline.knapspec.tpt import DraftPlan, ScoredCandidate, choose_plan, smoothed_alpha
+from pipeline.model import items
 from pipeline.model.sublayer_model import SublayerModel
-
-logger = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class KnapSpecConfig:
-    # r and the branch cap bound the DP's cost: on 2 CPU cores one search at 2k context
-    # took 0.32 s with (16, 8), 0.21 s with (12, 4) — several decode steps' worth.
-    num_reference_tokens: int = 12  # r
-    reoptimize_every: int = 64  # verification steps between DP runs
-    max_draft: int = 10  # D: γ is searched in 1..D
-    threshold: float = DEFAULT_THRESHOLD  # τ of the DP
-    confidence_threshold: float = DEFAULT_CONFIDENCE_THRESHOLD
-    margin: float = DEFAULT_MARGIN  # how much speculation must beat AR by
-    max_branches: int | None = 4  # DP cells kept per row
-    # The DP's share of the decode time it plans for (the steps until the next search, or to
-    # the end of the request): fewer branches when that budget is tight, no search when not
-    # even one fits. None: unbounded.
-    max_search_share: float | None = 0.05
-    weight_cap: int = 5
-    coupled: bool = False  # skip a layer's attention and MLP together (the paper's ablation)
-    prior_mean: float = DEFAULT_PRIOR_MEAN
-    prior_strength: float = DEFAULT_PRIOR_STRENGTH
-
-    def __post_init__(self) -> None:
-        if self.num_reference_tokens < 2:
-            raise ConfigError("num_reference_tokens must be >= 2")
-        if self.reoptimize_every < 1 or self.max_draft < 1:
-            raise ConfigError("reoptimize_every and max_draft must be >= 1")
-        if self.max_search_share is not None and not 0 < self.max_search_share <= 1:
-            raise ConfigError(f"max_search_share must be in (0, 1] or None, got {self.max_search_share}")
-
-
-class SearchHistory:
-    """Verdicts of the searches of one engine's requests, oldest first.
-
-    Shared by the drafters of successive requests on the same model and device: where
-    searches keep choosing plain decoding, a new request starts with that verdict and
-    searches again only after the backed-off interval, instead of paying a search
-    before its first token.
-    """
-
-    def __init__(self, max_len: int = 64) -> None:
-        self.verdicts: deque[tuple[tuple[int, ...], bool]] = deque(maxlen=max_len)  # (item weights, chose AR)
-        self.search_cost_ratios: deque[float] = deque(maxlen=16)  # measured / estimated search seconds
-
-    def search_cost_scale(self) -> float:
-        """How much dearer than estimated this engine's searches have been (median; 1.0 before any)."""
-        return statistics.median(self.search_cost_ratios) if self.search_cost_ratios else 1.0
-
-    def record(self, weights: tuple[int, ...], chose_ar: bool) -> None:
-        self.verdicts.append((weights, chose_ar))
-
-    def consecutive_ar(self, weights: tuple[int, ...]) -> int:
-        """AR verdicts since the last speculative one, among searches with these weights."""
-        count = 0
-        for seen, chose_ar in reversed(self.verdicts):
-            if seen != weights:
-                continue
-            if not chose_ar:
-                break
-            count += 1
-        return count
-
-
-class ReplanningDrafter:
-    """Drafts with a layer-skip plan that it recomputes every `reoptimize_every` steps
-    (and whenever the context has grown enough to change the integer item weights).
-
-    Subclasses decide the plan; this class times the search, keeps the acceptance
-    observed under the current plan, and drafts with the plan's skip set and γ.
-    """
-
-    def __init__(self, latency: LatencyModel, config: KnapSpecConfig, history: SearchHistory | None = None) -> None:
-        self.latency = latency
-        self.config = config
-        self.history = history if history is not None else SearchHistory()
-        self.max_draft = config.max_draft
-        self.plan: DraftPlan | None = None
-        self._weights: tuple[int, ...] | None = None
-        self._steps_since_plan = 0
-        self._accepted = self._drafted = 0  # under the current plan
-        self._drafter: LayerSkipDrafter | None = None
-        # Reported in GenerationResult.extra.
-        self.optimize_s = 0.0
-        self.plans: list[DraftPlan] = []
-        self.num_postponed = 0  # checks that found no time for a search
-
-    def propose(self, request: DraftRequest) -> Draft:
-        context = request.cache.length
-        if self.plan is None and self.history.consecutive_ar(self._weights_at(context)):
-            # Earlier requests' searches found nothing at this context: start plainly.
-            plan = choose_plan([], lambda k: self.latency.t_verify(k, context), self.config.max_draft)
-            self._set_plan(plan, request.model, context, searched=False)
-        elif self._due(context) and context > self.config.num_reference_tokens:
-            t0 = time.perf_counter()
-            plan = self.make_plan(request)
-            if plan is None:
-                # No search fits the time budget: decode plainly until the next check.
-                plan = choose_plan([], lambda k: self.latency.t_verify(k, context), self.config.max_draft)
-                self._set_plan(plan, request.model, context, searched=False)
-                self.num_postponed += 1
-            else:
-                self._set_plan(plan, request.model, context)
-            self.optimize_s += time.perf_counter() - t0
-        if self._drafter is None:
-            return Draft([])
-        return self._drafter.propose(request)
-
-    def observe(self, num_drafted: int, num_accepted: int) -> None:
-        self._steps_since_plan += 1
-        self._drafted += num_drafted
-        self._accepted += num_accepted
-
-    def summary(self) -> dict:
-        plans = [p for p in self.plans if not p.use_ar]
-        return {
-            "optimize_s": self.optimize_s,
-            "num_optimizations": len(self.plans),
-            "num_chose_ar": len(self.plans) - len(plans),
-            "num_searches_postponed": self.num_postponed,
-            "predicted_tpt": self.plan.predicted_tpt if self.plan else None,
-            "mean_skipped_attn": _mean([sum(1 for i in p.skip if i % 2 == 0) for p in plans]),
-            "mean_skipped_mlp": _mean([sum(1 for i in p.skip if i % 2 == 1) for p in plans]),
-        }
-
-    def make_plan(self, request: DraftRequest) -> DraftPlan | None:
-        """The plan from here on, or None when there is no time to search now."""
-        raise NotImplementedError
-
-    def _interval(self) -> int:
-        """Steps until the next search. After consecutive AR verdicts the re-check backs off
-        (doubling, up to 8x): a search that keeps finding nothing should not keep costing."""
-        num_ar = self.history.consecutive_ar(self._weights) if self._weights is not None else 0
-        return self.config.reoptimize_every * 2 ** min(max(num_ar - 1, 0), 3)
-
-    def _weights_at(self, context: int) -> tuple[int, ...]:
-        return tuple(self.latency.item_weights(context, self.config.weight_cap))
-
-    def observed(self, skip: frozenset[int]) -> tuple[int, int]:
-        """(accepted, drafted) seen so far under the current plan, if it drafts with `skip`."""
-        if self.plan is not None and self.plan.skip == skip:
-            return self._accepted, self._drafted
-        return 0, 0
-
-    def reference(self, request: DraftRequest) -> tuple[torch.Tensor, int]:
-        """The last r committed tokens [r] and the position they start at."""
-        context = request.cache.length
-        prefix = context - self.config.num_reference_tokens
-        return torch.tensor(request.token_ids[prefix:context], device=request.model.device), prefix
-
-    def _due(self, context: int) -> bool:
-        if self.plan is None or self._steps_since_plan >= self._interval():
-            return True
-        # A longer context makes attention dearer; new integer weights mean a new knapsack.
-        return self._weights_at(context) != self._weights
-
-    def _set_plan(self, plan: DraftPlan, model: SublayerModel, context: int, searched: bool = True) -> None:
-        self.plan = plan
-        self._weights = self._weights_at(context)
-        if searched:
-            self.plans.append(plan)
-            self.history.record(self._weights, plan.use_ar)
-        self._steps_since_plan = 0
-        self._accepted = self._drafted = 0
-        self._drafter = (
-            None
-            if plan.use_ar
-            else LayerSkipDrafter(plan.skip, model.spec.num_items, plan.gamma, self.config.confidence_threshold)
-        )
-        logger.debug(
-            "context %d: %s, predicted %.1f tok/s vs AR %.1f",
-            context,
-            "AR" if plan.use_ar else f"skip {sorted(plan.skip)} γ={plan.gamma} α={plan.alpha:.2f}",
-            plan.predicted_tpt,
-            plan.ar_tpt,
-        )
 
 
 class KnapSpecDrafter(ReplanningDrafter):
@@ -280,19 +93,6 @@ class KnapSpecDrafter(ReplanningDrafter):
         alpha = smoothed_alpha(r, r, 0, 0, config.prior_mean, config.prior_strength)
         return ScoredCandidate(frozenset(items), alpha, self.latency.t_forward(context) - saved)
 
-    def score(self, skip: frozenset[int], top1: torch.Tensor, full_top1: torch.Tensor, context: int) -> ScoredCandidate:
-        """α from top-1 agreement on the reference tokens and what decoding accepted."""
-        matches = int((top1 == full_top1).sum())
-        accepted, drafted = self.observed(skip)
-        alpha = smoothed_alpha(
-            matches, top1.numel(), accepted, drafted, self.config.prior_mean, self.config.prior_strength
-        )
-        return ScoredCandidate(skip, alpha, self.latency.t_draft(skip, context))
-
-
-def _mean(values: list[int]) -> float:
-    return sum(values) / len(values) if values else 0.0
-
 
 def search_candidates(
     model: SublayerModel,
@@ -309,7 +109,7 @@ def search_candidates(
     num_layers = model.spec.num_layers
     if config.coupled:
         # Layer-granular items: attention and MLP of a layer skipped together.
-        weights = tuple(weights[2 * i] + weights[2 * i + 1] for i in range(num_layers))
+        weights = tuple(sum(weights[item] for item in items.layer_items(layer)) for layer in range(num_layers))
         bypass = tuple((first // 2, end // 2, w) for first, end, w in bypass)
         always = frozenset({0, num_layers - 1})
     else:
@@ -322,11 +122,10 @@ def search_candidates(
         max_branches=config.max_branches,
         bypass=bypass,
     )
-    frontier = model.run_knapsack(cache, ref_ids, problem, prefix, layer_rows=config.coupled)
+    frontier = run_knapsack(model, cache, ref_ids, problem, prefix, layer_rows=config.coupled)
     skips = frontier.skips
     if config.coupled:
-        skips = [frozenset(j for i in skip for j in (2 * i, 2 * i + 1)) for skip in skips]
-    num_branches, num_tokens, d = frontier.hidden.shape
-    top1 = model.logits(frontier.hidden.reshape(-1, d)).argmax(-1).view(num_branches, num_tokens)
-    order = sorted(range(num_branches), key=lambda b: frontier.weights[b])
+        skips = [items.items_of_layers(skip) for skip in skips]
+    top1 = top1_tokens(model, frontier.hidden)
+    order = sorted(range(len(skips)), key=lambda b: frontier.weights[b])
     return [(skips[b], top1[b]) for b in order]

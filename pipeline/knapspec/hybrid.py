@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from pipeline.decoding.drafters import Draft, DraftRequest
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
-from pipeline.knapspec.drafter import KnapSpecConfig, KnapSpecDrafter, SearchHistory
+from pipeline.knapspec.drafter import KnapSpecDrafter
 from pipeline.knapspec.latency import LatencyModel
+from pipeline.knapspec.replanning import KnapSpecConfig, SearchHistory
 
 # Copied tokens come in runs (a phrase is right as a whole or not), so the per-token
 # geometric model of TPT misjudges them: the hybrid counts, for each draft position j,

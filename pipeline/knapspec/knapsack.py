@@ -23,10 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from pipeline.errors import ConfigError
+from pipeline.model import items
+from pipeline.model.kv_cache import KVCache
 
 # run_item(item, hidden [B, r, d]) -> hidden after executing the item on every branch.
 RunItem = Callable[[int, torch.Tensor], torch.Tensor]
@@ -161,12 +164,34 @@ def branch_runner(run_item_branches: RunItem, layer_rows: bool = False) -> RunIt
         return run_item_branches
 
     def run_layer(layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        return run_item_branches(2 * layer + 1, run_item_branches(2 * layer, hidden))
+        attn, mlp = items.layer_items(layer)
+        return run_item_branches(mlp, run_item_branches(attn, hidden))
 
     return run_layer
 
 
+@runtime_checkable
+class RunsKnapsack(Protocol):
+    """A model that runs the DP's rows where its items live (a pipeline: each stage advances
+    the frontier the previous stage hands it)."""
+
+    def run_knapsack(
+        self, cache, token_ids: torch.Tensor, problem: KnapsackProblem, prefix_len: int, layer_rows: bool = False
+    ) -> Frontier: ...
+
+
+def run_knapsack(
+    model, cache: KVCache, token_ids: torch.Tensor, problem: KnapsackProblem, prefix_len: int, layer_rows: bool = False
+) -> Frontier:
+    """The DP on reference tokens [r] at positions [prefix_len, prefix_len + r) of `model` (the
+    cache is only read); rows are items, or layers when `layer_rows`. Returns the last row."""
+    if isinstance(model, RunsKnapsack):
+        return model.run_knapsack(cache, token_ids, problem, prefix_len, layer_rows)
+    run = branch_runner(lambda item, h: model.run_item_branches(item, h, cache, prefix_len), layer_rows)
+    return run_dp(model.embed_tokens(token_ids), problem, run)
+
+
 def default_always_execute(num_layers: int) -> frozenset[int]:
     """The first and last layers' items: skipping them ruins drafts (KnapSpec keeps them)."""
-    return frozenset({0, 1, 2 * num_layers - 2, 2 * num_layers - 1})
+    return items.items_of_layers({0, num_layers - 1})
 

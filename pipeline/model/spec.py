@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.errors import UnsupportedModelError
+from pipeline.model import items
 
 # Llama-style decoders: RMSNorm, rotary attention with grouped KV heads, gated SiLU MLP.
 # Qwen2 adds q/k/v biases, Qwen3 adds per-head RMSNorm of q and k.
@@ -29,8 +30,8 @@ class ModelSpec:
 
     @property
     def num_items(self) -> int:
-        """Sublayers: item 2i is layer i's attention, item 2i+1 its MLP."""
-        return 2 * self.num_layers
+        """Sublayers (pipeline.model.items): an attention and an MLP item per layer."""
+        return items.num_items(self.num_layers)
 
     @property
     def num_query_groups(self) -> int:

@@ -1,10 +1,11 @@
 """A decoder run as 2L items (sublayers), any subset of them, over its own KV cache.
 
-Item 2i is layer i's attention (input norm -> self-attention -> residual add) and
-item 2i+1 its MLP (post-attention norm -> MLP -> residual add). A skipped item is
-the identity on the residual stream (KnapSpec, Sec. 3), so a draft model is just
+An attention item is input norm -> self-attention -> residual add, an MLP item
+post-attention norm -> MLP -> residual add (numbering: `pipeline.model.items`). A skipped
+item is the identity on the residual stream (KnapSpec, Sec. 3), so a draft model is just
 the set of items to skip. One sequence per call: offline summarization runs one
-request per forward, and its KV cache has no batch dimension.
+request per forward, and its KV cache has no batch dimension. The layer math itself
+is in `pipeline.model.layers`.
 """
 
 from __future__ import annotations
@@ -16,14 +17,21 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.errors import ConfigError
-from pipeline.knapspec.knapsack import Frontier, KnapsackProblem, branch_runner, run_dp
+from pipeline.model import items
 from pipeline.model.kv_cache import KVCache
+from pipeline.model.layers import (
+    FUSED_ATTENTION_MIN_TOKENS,
+    apply_rotary,
+    fused_attention,
+    group_queries,
+    grouped_attention,
+    prefill_mask,
+    rms_norm,
+    ungroup,
+)
 from pipeline.model.linear import ComputeMode, Linear
 from pipeline.model.spec import ModelSpec, sliding_window_of
 
-# Longer query blocks (prefill chunks) go through PyTorch's fused attention; short
-# ones (decode, verify) through a GQA-aware product that never repeats K/V heads.
-FUSED_ATTENTION_MIN_TOKENS = 16
 # Prefill chunks are as long as this many floats of MLP activations allow: long chunks
 # waste less attention work on masked-out blocks and run larger matmuls.
 PREFILL_ACTIVATION_BUDGET = 16 * 2**20
@@ -200,14 +208,15 @@ class SublayerModel:
         cache.check_room(end)
         cos, sin = self._rotary_tables(end)
         cos, sin = cos[start:end], sin[start:end]  # [T, head_dim]
-        mask = _attention_mask(num_tokens, start, self.device)
+        mask = prefill_mask(num_tokens, start, self.device) if num_tokens >= FUSED_ATTENTION_MIN_TOKENS else None
         hidden = [] if return_hidden else None
         for i, layer in enumerate(self.layers):
-            if 2 * i not in skip:
+            attn_item, mlp_item = items.layer_items(i)
+            if attn_item not in skip:
                 h = h + self._attention(layer, i, h, cache, start, cos, sin, mask)
             if return_hidden:
                 hidden.append(h)
-            if 2 * i + 1 not in skip:
+            if mlp_item not in skip:
                 h = h + self._mlp(layer, h)
             if return_hidden:
                 hidden.append(h)
@@ -226,14 +235,14 @@ class SublayerModel:
 
         An attention item writes its keys/values into `cache` (profiling times items one at a time with it).
         """
-        layer_index, is_mlp = divmod(item, 2)
+        layer_index, is_mlp = items.split_item(item)
         layer = self.layers[layer_index]
         if is_mlp:
             return h + self._mlp(layer, h)
         end = start + h.shape[0]
         cache.check_room(end)
         cos, sin = self._rotary_tables(end)
-        mask = _attention_mask(h.shape[0], start, self.device)
+        mask = prefill_mask(h.shape[0], start, self.device) if h.shape[0] >= FUSED_ATTENTION_MIN_TOKENS else None
         return h + self._attention(layer, layer_index, h, cache, start, cos[start:end], sin[start:end], mask)
 
     @torch.inference_mode()
@@ -246,55 +255,19 @@ class SublayerModel:
         models without disturbing the request.
         """
         num_branches, num_tokens, d = h.shape
-        layer_index, is_mlp = divmod(item, 2)
+        layer_index, is_mlp = items.split_item(item)
         layer = self.layers[layer_index]
         flat = h.reshape(num_branches * num_tokens, d)
         if is_mlp:
             return (flat + self._mlp(layer, flat)).view_as(h)
-        s = self.spec
         end = prefix_len + num_tokens
         cos, sin = self._rotary_tables(end)
-        qkv = layer.qkv(self._rms_norm(flat, layer.input_norm))
-        q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim], -1)
-        q = q.reshape(num_branches, num_tokens, s.num_heads, s.head_dim)
-        k = k.reshape(num_branches, num_tokens, s.num_kv_heads, s.head_dim)
-        v = v.reshape(num_branches, num_tokens, s.num_kv_heads, s.head_dim)
-        if layer.q_norm is not None:
-            q = self._rms_norm(q, layer.q_norm)
-            k = self._rms_norm(k, layer.k_norm)
-        cos, sin = cos[prefix_len:end], sin[prefix_len:end]  # [r, head_dim], broadcast over branches
-        q = _apply_rotary(q, cos, sin) * self._scale
-        k = _apply_rotary(k, cos, sin)
-        groups = s.num_query_groups
-        # As in _grouped_attention, query head h reads KV head h // groups.
-        qg = q.view(num_branches, num_tokens, s.num_kv_heads, groups, s.head_dim).permute(2, 0, 3, 1, 4)
-        # qg: [kv_heads, B, groups, r, head_dim]
+        q, k, v = self._qkv(layer, flat, num_branches, num_tokens, cos[prefix_len:end], sin[prefix_len:end])
         prefix_k, prefix_v = cache.view(layer_index, prefix_len)  # [kv_heads, p, head_dim]
-        scores_prefix = torch.matmul(
-            qg.reshape(s.num_kv_heads, -1, s.head_dim), prefix_k.transpose(1, 2)
-        ).view(s.num_kv_heads, num_branches, groups, num_tokens, prefix_len)
-        own_k = k.permute(2, 0, 3, 1)  # [kv_heads, B, head_dim, r]
-        own_v = v.permute(2, 0, 1, 3)  # [kv_heads, B, r, head_dim]
-        scores_own = torch.matmul(qg, own_k[:, :, None])  # [kv_heads, B, groups, r, r]
-        causal = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=h.device).triu(1)
-        scores_own = scores_own.masked_fill(causal, float("-inf"))
-        probs = torch.softmax(torch.cat([scores_prefix, scores_own], dim=-1).float(), dim=-1).to(h.dtype)
-        out = torch.matmul(
-            probs[..., :prefix_len].reshape(s.num_kv_heads, -1, prefix_len), prefix_v
-        ).view(s.num_kv_heads, num_branches, groups, num_tokens, s.head_dim)
-        out = out + torch.matmul(probs[..., prefix_len:], own_v[:, :, None])
-        # -> [B, r, heads * head_dim] with heads ordered (kv_head, group)
-        out = out.permute(1, 3, 0, 2, 4).reshape(num_branches * num_tokens, s.num_heads * s.head_dim)
-        return (flat + self._reduced(layer.o(out))).view_as(h)
-
-    @torch.inference_mode()
-    def run_knapsack(
-        self, cache: KVCache, token_ids: torch.Tensor, problem: KnapsackProblem, prefix_len: int, layer_rows: bool = False
-    ) -> Frontier:
-        """The knapsack DP on reference tokens [r] at positions [prefix_len, prefix_len + r) (the
-        cache is only read); rows are items, or layers when `layer_rows`. Returns the last row."""
-        run = branch_runner(lambda item, h: self.run_item_branches(item, h, cache, prefix_len), layer_rows)
-        return run_dp(self.embed_tokens(token_ids), problem, run)
+        # [kv_heads, B, r, head_dim]: each branch's own keys and values
+        own_k, own_v = k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)
+        out = grouped_attention(group_queries(q * self._scale, self.spec.num_kv_heads), prefix_k, prefix_v, own_k, own_v)
+        return (flat + self._reduced(layer.o(ungroup(out)))).view_as(h)
 
     @property
     def prefill_chunk(self) -> int:
@@ -308,10 +281,7 @@ class SublayerModel:
     # -------------------------------------------------------------- sublayers
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # As Hugging Face's LlamaRMSNorm: normalize in fp32, scale in the compute dtype.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
-        return weight * x32.to(x.dtype)
+        return rms_norm(x, weight, self.spec.rms_norm_eps)
 
     def _mlp(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         gate, up = layer.gate_up(self._rms_norm(h, layer.post_norm)).chunk(2, dim=-1)
@@ -319,6 +289,21 @@ class SublayerModel:
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
         return partial if self.reduce is None else self.reduce(partial)
+
+    def _qkv(
+        self, layer: LayerWeights, h: torch.Tensor, num_branches: int, num_tokens: int, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows h [B * T, d] -> rotated queries [B, T, H, head_dim], keys and values [B, T, kv_heads, head_dim]."""
+        s = self.spec
+        qkv = layer.qkv(self._rms_norm(h, layer.input_norm))
+        q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim], -1)
+        q = q.view(num_branches, num_tokens, s.num_heads, s.head_dim)
+        k = k.view(num_branches, num_tokens, s.num_kv_heads, s.head_dim)
+        v = v.view(num_branches, num_tokens, s.num_kv_heads, s.head_dim)
+        if layer.q_norm is not None:
+            q = self._rms_norm(q, layer.q_norm)
+            k = self._rms_norm(k, layer.k_norm)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def _attention(
         self,
@@ -331,57 +316,18 @@ class SublayerModel:
         sin: torch.Tensor,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        s = self.spec
+        """Attention of tokens at [start, start + T) after writing their keys/values into the cache;
+        `mask` is fused attention's (prefill_mask), unused by short blocks."""
         num_tokens = h.shape[0]
-        qkv = layer.qkv(self._rms_norm(h, layer.input_norm))
-        q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim], -1)
-        q = q.view(num_tokens, s.num_heads, s.head_dim)
-        k = k.view(num_tokens, s.num_kv_heads, s.head_dim)
-        if layer.q_norm is not None:
-            q = self._rms_norm(q, layer.q_norm)
-            k = self._rms_norm(k, layer.k_norm)
-        q = _apply_rotary(q, cos, sin)
-        k = _apply_rotary(k, cos, sin)
-        v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
+        q, k, v = self._qkv(layer, h, 1, num_tokens, cos, sin)
+        q, k, v = q[0], k[0], v[0]
         cache.write(index, start, k.transpose(0, 1), v.transpose(0, 1))
         keys, values = cache.view(index, start + num_tokens)  # [kv_heads, n, head_dim]
         if num_tokens >= FUSED_ATTENTION_MIN_TOKENS:
-            out = self._fused_attention(q, keys, values, start, mask)
+            out = fused_attention(q, keys, values, start, mask, self._scale)
         else:
-            out = self._grouped_attention(q, keys, values, start, mask)
+            out = ungroup(grouped_attention(group_queries(q[None] * self._scale, self.spec.num_kv_heads), keys, values))
         return self._reduced(layer.o(out))
-
-    def _fused_attention(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        num_tokens = q.shape[0]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            keys[None],
-            values[None],
-            attn_mask=mask,
-            is_causal=start == 0,
-            scale=self._scale,
-            enable_gqa=True,
-        )  # [1, H, T, head_dim]
-        return out[0].transpose(0, 1).reshape(num_tokens, -1)
-
-    def _grouped_attention(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        # Query head h reads KV head h // groups; folding the groups into the query rows
-        # turns attention into two batched matmuls over the cache as it lies in memory.
-        s = self.spec
-        num_tokens = q.shape[0]
-        groups = s.num_query_groups
-        qg = (q * self._scale).view(num_tokens, s.num_kv_heads, groups, s.head_dim)
-        qg = qg.permute(1, 2, 0, 3).reshape(s.num_kv_heads, groups * num_tokens, s.head_dim)
-        scores = torch.bmm(qg, keys.transpose(1, 2))  # [kv_heads, groups * T, n]
-        if mask is not None:
-            scores.view(s.num_kv_heads, groups, num_tokens, -1)[..., start:].masked_fill_(mask, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-        out = torch.bmm(probs, values)  # [kv_heads, groups * T, head_dim]
-        return out.view(s.num_kv_heads, groups, num_tokens, s.head_dim).permute(2, 0, 1, 3).reshape(num_tokens, -1)
 
 
 def check_context(capacity: int, max_context: int) -> None:
@@ -416,27 +362,3 @@ def prefill_chunk_for(spec: ModelSpec) -> int:
     """Prompt rows per prefill forward: as many as the activation budget allows (a power of two)."""
     rows = PREFILL_ACTIVATION_BUDGET // (2 * spec.intermediate_size)
     return max(MIN_PREFILL_CHUNK, min(MAX_PREFILL_CHUNK, 1 << max(rows, 1).bit_length() - 1))
-
-
-def _attention_mask(num_tokens: int, start: int, device: torch.device) -> torch.Tensor | None:
-    """The mask a block of queries at [start, start + T) needs, built once per forward.
-
-    Fused attention (long blocks): None for the first block (is_causal does it), else
-    [T, start + T] True where attending is allowed. Grouped attention (short blocks):
-    [T, T] True where a query must not see a later token of its own block.
-    """
-    if num_tokens >= FUSED_ATTENTION_MIN_TOKENS:
-        if start == 0:
-            return None
-        positions = torch.arange(start + num_tokens, device=device)
-        return positions[None, :] <= (start + torch.arange(num_tokens, device=device))[:, None]
-    if num_tokens == 1:
-        return None
-    return torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=device).triu(1)
-
-
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x [T, heads, head_dim] as Hugging Face applies it (rotate_half)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]

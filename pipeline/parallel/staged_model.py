@@ -1,8 +1,8 @@
 """A model cut into pipeline stages, and the view of it that the draft/verify loop drives.
 
 `StageModel` is one stage: decoder layers [first, end) of a checkpoint — stage 0 also the
-embeddings, the last stage also the final norm and LM head — built from only those
-tensors, holding the KV caches of the requests it serves. It is plain PyTorch; a Ray
+embeddings, the last stage also the final norm and LM head (pipeline/parallel/layout.py)
+— built from only those tensors, holding the KV caches of the requests it serves. It is plain PyTorch; a Ray
 actor (actors/shard.py) places it on a device.
 
 `PipelineModel` presents a list of stages with the interface of `SublayerModel` that
@@ -24,8 +24,7 @@ import copy
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,61 +38,10 @@ from pipeline.model.kv_cache import KVCache
 from pipeline.model.linear import ComputeMode
 from pipeline.model.spec import ModelSpec
 from pipeline.model.sublayer_model import ForwardOutput, SublayerModel, check_context, prefill_in_chunks
+from pipeline.parallel.layout import LAYER_PREFIX, StageLayout, partition_layers, stage_layouts, stage_tensor_filter
 from pipeline.parallel.tensor_parallel import shard_config, shard_reader
-from pipeline.throttle import throttle
 
 logger = logging.getLogger(__name__)
-
-_LAYER_PREFIX = "model.layers."
-
-
-# ----------------------------------------------------------------------------- partition
-
-
-def partition_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
-    """Contiguous layer ranges [first, end), as even as possible, earlier stages one layer
-    longer when it does not divide (the last stage also runs the LM head)."""
-    if not 1 <= num_stages <= num_layers:
-        raise ConfigError(f"cannot cut {num_layers} layers into {num_stages} pipeline stages")
-    base, extra = divmod(num_layers, num_stages)
-    bounds = list(itertools.accumulate([base + (i < extra) for i in range(num_stages)], initial=0))
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-@dataclass(frozen=True)
-class StageLayout:
-    index: int
-    num_stages: int
-    first_layer: int
-    end_layer: int
-
-    @property
-    def has_embeddings(self) -> bool:
-        return self.index == 0
-
-    @property
-    def has_head(self) -> bool:
-        return self.index == self.num_stages - 1
-
-    @property
-    def items(self) -> range:
-        return range(2 * self.first_layer, 2 * self.end_layer)
-
-
-def stage_tensor_filter(layout: StageLayout, tie_word_embeddings: bool) -> Callable[[str], bool]:
-    """Which checkpoint tensors a stage reads: its layers, and the embeddings / head it runs."""
-
-    def keep(name: str) -> bool:
-        if name.startswith(_LAYER_PREFIX):
-            layer = int(name[len(_LAYER_PREFIX) :].split(".", 1)[0])
-            return layout.first_layer <= layer < layout.end_layer
-        if name == "model.embed_tokens.weight":
-            return layout.has_embeddings or (layout.has_head and tie_word_embeddings)
-        if name in ("model.norm.weight", "lm_head.weight"):
-            return layout.has_head
-        return False
-
-    return keep
 
 
 # --------------------------------------------------------------------------------- stage
@@ -109,15 +57,12 @@ class StageModel:
         layout: StageLayout,
         mode: ComputeMode,
         device: torch.device | str = "cpu",
-        sublayer_delay_s: float = 0.0,
         tp_rank: int = 0,
         tp_size: int = 1,
     ) -> None:
-        """`sublayer_delay_s` > 0 makes every attention and MLP call wait that long: a slower
-        device, for tests of heterogeneous pipelines (pipeline/throttle.py). With `tp_size` > 1
-        this is rank `tp_rank` of the stage's tensor-parallel group: it reads and holds only
-        its share of the heads and MLP columns, and sums partial results through `local.reduce`
-        (set once the group is joined)."""
+        """With `tp_size` > 1 this is rank `tp_rank` of the stage's tensor-parallel group: it
+        reads and holds only its share of the heads and MLP columns, and sums partial results
+        through `local.reduce` (set once the group is joined)."""
         config = checkpoint.load_config(path)
         spec = ModelSpec.from_hf_config(config)
         if layout.end_layer > spec.num_layers:
@@ -135,7 +80,6 @@ class StageModel:
         self.local = SublayerModel.from_tensors(*_local_view(local_config, spec, layout, tensors), mode, device)
         self.caches: dict[str, KVCache] = {}
         self.model_name = path.name
-        throttle(self.local, sublayer_delay_s)
 
     # Requests' caches. Positions are the request's; a cache holds only this stage's layers.
 
@@ -160,7 +104,7 @@ class StageModel:
         """Token ids (stage 0) or the residual stream [T, d] in; out the residual stream, or
         the logits when this stage has the head and `logits` is not "none"; and, when asked,
         the residual stream after each of this stage's items [2 * layers, T, d]."""
-        local_skip = {item - 2 * self.layout.first_layer for item in skip if item in self.layout.items}
+        local_skip = {self.layout.local_item(item) for item in skip if item in self.layout.items}
         h = self.local.embed_tokens(inputs) if self.layout.has_embeddings else inputs
         h, hidden = self.local.run_layers(self.caches[request_id], h, start, local_skip, return_hidden)
         if self.layout.has_head and logits != "none":
@@ -178,9 +122,7 @@ class StageModel:
         return self.local.logits(h)
 
     def run_item_branches(self, item: int, h: torch.Tensor, request_id: str, prefix_len: int) -> torch.Tensor:
-        return self.local.run_item_branches(
-            item - 2 * self.layout.first_layer, h, self.caches[request_id], prefix_len
-        )
+        return self.local.run_item_branches(self.layout.local_item(item), h, self.caches[request_id], prefix_len)
 
     @torch.inference_mode()
     def knapsack_rows(
@@ -196,11 +138,10 @@ class StageModel:
         layout, cache = self.layout, self.caches[request_id]
         if layout.has_embeddings:
             frontier = Frontier.start(self.local.embed_tokens(frontier))
-        per_layer = 1 if layer_rows else 2
-        first = per_layer * layout.first_layer
+        rows = range(layout.first_layer, layout.end_layer) if layer_rows else layout.items
         run_local = branch_runner(lambda item, h: self.local.run_item_branches(item, h, cache, prefix_len), layer_rows)
-        for row in range(first, per_layer * layout.end_layer):
-            frontier = advance(frontier, row, problem, lambda row, h: run_local(row - first, h))
+        for row in rows:
+            frontier = advance(frontier, row, problem, lambda row, h: run_local(row - rows.start, h))
         return frontier
 
 
@@ -210,9 +151,9 @@ def _local_view(config, spec: ModelSpec, layout: StageLayout, tensors: dict[str,
     (they are never used there, and cost nothing)."""
     local = {}
     for name, tensor in tensors.items():
-        if name.startswith(_LAYER_PREFIX):
-            layer, rest = name[len(_LAYER_PREFIX) :].split(".", 1)
-            name = f"{_LAYER_PREFIX}{int(layer) - layout.first_layer}.{rest}"
+        if name.startswith(LAYER_PREFIX):
+            layer, rest = name[len(LAYER_PREFIX) :].split(".", 1)
+            name = f"{LAYER_PREFIX}{int(layer) - layout.first_layer}.{rest}"
         local[name] = tensor
     local_config = copy.deepcopy(config)
     local_config.num_hidden_layers = layout.end_layer - layout.first_layer
@@ -316,17 +257,11 @@ class PipelineModel:
         self._live = threading.local()
 
     @classmethod
-    def local(
-        cls, path: Path, num_stages: int, mode: ComputeMode, device: str = "cpu", delays: Sequence[float] | None = None
-    ) -> PipelineModel:
-        """All stages in this process (tests; a machine without Ray). `delays`: per stage, see
-        StageModel's `sublayer_delay_s`."""
+    def local(cls, path: Path, num_stages: int, mode: ComputeMode, device: str = "cpu") -> PipelineModel:
+        """All stages in this process (tests; a machine without Ray)."""
         spec = ModelSpec.from_hf_config(checkpoint.load_config(path))
-        layouts = [
-            StageLayout(i, num_stages, first, end) for i, (first, end) in enumerate(partition_layers(spec.num_layers, num_stages))
-        ]
-        delays = delays or [0.0] * num_stages
-        stages = [StageModel(path, layout, mode, device, delay) for layout, delay in zip(layouts, delays)]
+        layouts = stage_layouts(spec.num_layers, num_stages)
+        stages = [StageModel(path, layout, mode, device) for layout in layouts]
         last = stages[-1].local
         return cls([LocalLink(s) for s in stages], layouts, spec, last.max_context, last.prefill_chunk, device)
 

@@ -22,6 +22,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.decoding.stats import GenerationStats
 from pipeline.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -172,13 +173,7 @@ class RunTotals:
     ok: int = 0
     errors: int = 0
     chunks: int = 0
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    steps: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
+    decoding: GenerationStats = field(default_factory=lambda: GenerationStats(num_requests=0))  # of the ok rows
     rouge_sums: dict[str, float] = field(default_factory=dict)
     rouge_counts: int = 0
     first_errors: list[str] = field(default_factory=list)
@@ -193,26 +188,23 @@ class RunTotals:
                 continue
             self.ok += 1
             self.chunks += row["num_chunks"] or 0
-            for name in ("prompt_tokens", "output_tokens", "steps", "drafted_tokens", "accepted_tokens"):
-                setattr(self, name, getattr(self, name) + (row[name] or 0))
-            self.prefill_s += row["prefill_s"] or 0.0
-            self.decode_s += row["decode_s"] or 0.0
+            self.decoding += _row_stats(row)
             if row["rouge1"] is not None:
                 self.rouge_counts += 1
                 for name in _ROUGE:
                     self.rouge_sums[name] = self.rouge_sums.get(name, 0.0) + row[name]
 
     def merge(self, other: RunTotals) -> None:
-        for name in ("rows", "ok", "errors", "chunks", "prompt_tokens", "output_tokens", "steps",
-                     "drafted_tokens", "accepted_tokens", "prefill_s", "decode_s", "rouge_counts"):
+        for name in ("rows", "ok", "errors", "chunks", "rouge_counts"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.decoding += other.decoding
         for name, value in other.rouge_sums.items():
             self.rouge_sums[name] = self.rouge_sums.get(name, 0.0) + value
         self.first_errors = (self.first_errors + other.first_errors)[:_ERRORS_SHOWN]
 
     @property
     def acceptance_rate(self) -> float | None:
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
+        return self.decoding.acceptance_rate if self.decoding.drafted_tokens else None
 
     def rouge(self, name: str) -> float | None:
         return self.rouge_sums[name] / self.rouge_counts if self.rouge_counts else None
@@ -223,18 +215,39 @@ class RunTotals:
         def fmt(value: float | None, digits: int = 3) -> str:
             return "–" if value is None else f"{value:.{digits}f}"
 
-        decode_rate = self.output_tokens / self.decode_s if self.decode_s else None
+        stats = self.decoding
+        decode_rate = stats.tokens_per_s if stats.decode_s else None
         header = (
             "| rows | ok | error | chunks | prompt tokens | output tokens | prefill s | decode s "
             "| decode tok/s | acceptance | ROUGE-1 | ROUGE-2 | ROUGE-L | docs/hour |"
         )
         values = (
-            f"| {self.rows} | {self.ok} | {self.errors} | {self.chunks} | {self.prompt_tokens} | {self.output_tokens} "
-            f"| {self.prefill_s:.1f} | {self.decode_s:.1f} | {fmt(decode_rate, 1)} | {fmt(self.acceptance_rate)} "
+            f"| {self.rows} | {self.ok} | {self.errors} | {self.chunks} | {stats.prompt_tokens} | {stats.output_tokens} "
+            f"| {stats.prefill_s:.1f} | {stats.decode_s:.1f} | {fmt(decode_rate, 1)} | {fmt(self.acceptance_rate)} "
             f"| {fmt(self.rouge('rouge1'))} | {fmt(self.rouge('rouge2'))} | {fmt(self.rouge('rougeL'))} "
             f"| {fmt(self.ok * 3600 / wall_s if wall_s > 0 else None, 1)} |"
         )
         return "\n".join([header, "|" + "---|" * 14, values])
+
+
+def _row_stats(row: dict[str, Any]) -> GenerationStats:
+    """An ok row's decoding statistics. A row keeps no count of its requests, but its decoded
+    tokens are tokens_per_s × decode_s (rounded back to the integer they were): every other
+    output token is the first token of a request, from its prefill."""
+    output_tokens = row["output_tokens"] or 0
+    decoded = 0
+    if row["tokens_per_s"] is not None and row["decode_s"] is not None:
+        decoded = round(row["tokens_per_s"] * row["decode_s"])
+    return GenerationStats(
+        prompt_tokens=row["prompt_tokens"] or 0,
+        output_tokens=output_tokens,
+        steps=row["steps"] or 0,
+        drafted_tokens=row["drafted_tokens"] or 0,
+        accepted_tokens=row["accepted_tokens"] or 0,
+        prefill_s=row["prefill_s"] or 0.0,
+        decode_s=row["decode_s"] or 0.0,
+        num_requests=output_tokens - decoded,
+    )
 
 
 _ERRORS_SHOWN = 5

@@ -1,4 +1,4 @@
-"""Summarization prompts built with the tokenizer's chat template."""
+"""Summarization prompts built with the tokenizer's chat template, and the instructions they carry."""
 
 from __future__ import annotations
 
@@ -9,6 +9,21 @@ import torch
 from pipeline.errors import ConfigError, RowError
 
 DEFAULT_INSTRUCTION = "Summarize the following document in a few sentences.\n\n{document}"
+# By SummaryRequest.kind (chunking.py): a document that fits one request, a part of a longer one,
+# a part of joined summaries still too long for one request, and joined summaries that fit one.
+INSTRUCTIONS = {
+    "document": DEFAULT_INSTRUCTION,
+    "part": "Summarize the following part of a longer document in a few sentences.\n\n{document}",
+    "part-summaries": (
+        "The following are summaries of consecutive parts of a long document. "
+        "Condense them into one shorter summary.\n\n{document}"
+    ),
+    "summaries": (
+        "The following are summaries of consecutive parts of one document. "
+        "Combine them into a single summary of the whole document in a few sentences.\n\n{document}"
+    ),
+}
+
 # Room left when re-tokenizing a cut document: a cut can merge or split a token or two.
 _CUT_MARGIN = 8
 

@@ -1,10 +1,11 @@
-"""Summarize one document — however long — through a pool of replicas, and the Ray Data stage around it.
+"""Summarize one document — however long — through a pool of replicas (pure of Ray).
 
 A document that fits the prompt budget is one request. A longer one is cut into chunks on
 paragraph boundaries, the chunks are summarized as independent requests (spread over the
 replicas at once), and their summaries are summarized again until one request covers
 them all (`pipeline/summarization/chunking.py`). Every request goes to a replica as token ids and comes
 back as token ids with decoding statistics; this module turns those into the output row.
+The Ray Data stage that runs it is `pipeline/summarization/stage.py`.
 """
 
 from __future__ import annotations
@@ -12,32 +13,18 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-import pyarrow as pa
-
 from pipeline.decoding.sampling import SamplingParams
-from pipeline.errors import ConfigError, KnapSpecError
+from pipeline.decoding.stats import GenerationStats
+from pipeline.errors import ConfigError
 from pipeline.summarization.chunking import SummaryRequest, check_chunk_budget, map_reduce
-from pipeline.summarization.output import STATUS_OK, error_row, now, rows_to_table
-from pipeline.summarization.prompts import build_prompt
+from pipeline.summarization.output import STATUS_OK, now
+from pipeline.summarization.prompts import INSTRUCTIONS, build_prompt
 
 logger = logging.getLogger(__name__)
 
-INSTRUCTIONS = {
-    "document": "Summarize the following document in a few sentences.\n\n{document}",
-    "part": "Summarize the following part of a longer document in a few sentences.\n\n{document}",
-    "part-summaries": (
-        "The following are summaries of consecutive parts of a long document. "
-        "Condense them into one shorter summary.\n\n{document}"
-    ),
-    "summaries": (
-        "The following are summaries of consecutive parts of one document. "
-        "Combine them into a single summary of the whole document in a few sentences.\n\n{document}"
-    ),
-}
 # Tokens kept free in every prompt: re-tokenizing a chunk inside the template can add a few.
 _PROMPT_MARGIN = 16
 _ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
@@ -58,51 +45,6 @@ class SummarizeSettings:
 
     def __post_init__(self) -> None:
         check_chunk_budget(self.max_prompt_tokens, self.max_new_tokens)
-
-
-@dataclass
-class _Totals:
-    """Decoding statistics summed over the requests of one document."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    steps: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    skipped_attn: list[float] = field(default_factory=list)
-    skipped_mlp: list[float] = field(default_factory=list)
-
-    def add(self, result: dict) -> None:
-        stats, extra = result["stats"], result.get("extra") or {}
-        self.requests += 1
-        for name in ("prompt_tokens", "output_tokens", "steps", "drafted_tokens", "accepted_tokens"):
-            setattr(self, name, getattr(self, name) + int(stats[name]))
-        self.prefill_s += float(stats["prefill_s"])
-        self.decode_s += float(stats["decode_s"])
-        if extra.get("mean_skipped_attn") is not None:
-            self.skipped_attn.append(float(extra["mean_skipped_attn"]))
-            self.skipped_mlp.append(float(extra["mean_skipped_mlp"]))
-
-    def columns(self) -> dict:
-        # Each request's first token comes from its prefill, as in GenerationStats.tokens_per_s.
-        decoded = self.output_tokens - self.requests
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "output_tokens": self.output_tokens,
-            "steps": self.steps,
-            "drafted_tokens": self.drafted_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "acceptance_rate": self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0,
-            "mean_accepted_len": (self.accepted_tokens + self.steps) / self.steps if self.steps else None,
-            "mean_skipped_attn": _mean(self.skipped_attn),
-            "mean_skipped_mlp": _mean(self.skipped_mlp),
-            "prefill_s": self.prefill_s,
-            "decode_s": self.decode_s,
-            "tokens_per_s": decoded / self.decode_s if self.decode_s > 0 and decoded > 0 else None,
-        }
 
 
 class DocumentSummarizer:
@@ -128,15 +70,14 @@ class DocumentSummarizer:
 
     def summarize(self, doc_id: str, text: str, reference: str | None = None) -> dict:
         """The output row of one document; raises RowError when it cannot be summarized."""
-        totals = _Totals()
+        answered: list[dict] = []
 
         def summarize_requests(requests: list[SummaryRequest]) -> list[str]:
             calls = [
                 (self._prompt_ids(r), self.settings.max_new_tokens, self._params(doc_id, r)) for r in requests
             ]
             results = self.generate_many(calls)
-            for result in results:
-                totals.add(result)
+            answered.extend(results)
             return [self.tokenizer.decode(r["token_ids"], skip_special_tokens=True).strip() for r in results]
 
         outcome = map_reduce(
@@ -154,7 +95,7 @@ class DocumentSummarizer:
             "model": self.settings.model,
             "strategy": self.settings.strategy,
             "num_chunks": outcome.num_chunks,
-            **totals.columns(),
+            **decoding_columns(answered),
             **rouge(outcome.summary, reference),
             "finished_at": now(),
         }
@@ -182,6 +123,29 @@ class DocumentSummarizer:
         return len(build_prompt(self.tokenizer, ".", None, instruction=INSTRUCTIONS[kind]).token_ids)
 
 
+def decoding_columns(results: Sequence[dict]) -> dict:
+    """The output row's decoding columns, summed over the replica results of one document."""
+    stats = GenerationStats.total(GenerationStats.from_dict(result["stats"]) for result in results)
+    extras = [result.get("extra") or {} for result in results]
+    skipped = [extra for extra in extras if extra.get("mean_skipped_attn") is not None]
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "output_tokens": stats.output_tokens,
+        "steps": stats.steps,
+        "drafted_tokens": stats.drafted_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "acceptance_rate": stats.acceptance_rate,
+        # Null rather than 0.0 where the rate has nothing to measure: no forward after the prefill,
+        # or no token decoded in measurable time.
+        "mean_accepted_len": stats.mean_accepted_len if stats.steps else None,
+        "mean_skipped_attn": _mean([float(extra["mean_skipped_attn"]) for extra in skipped]),
+        "mean_skipped_mlp": _mean([float(extra["mean_skipped_mlp"]) for extra in skipped]),
+        "prefill_s": stats.prefill_s,
+        "decode_s": stats.decode_s,
+        "tokens_per_s": stats.tokens_per_s if stats.decode_s > 0 and stats.decoded_tokens else None,
+    }
+
+
 def rouge(summary: str, reference: str | None) -> dict:
     """ROUGE-1/2/L F-measures against the reference (null without one)."""
     if reference is None or not str(reference).strip():
@@ -206,88 +170,3 @@ def _rouge_scorer():
 
 def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
-
-
-# ----------------------------------------------------------------------------- Ray Data stage
-
-
-class ReplicaDispatcher:
-    """Sends requests to the replica with the fewest requests in flight from this process."""
-
-    def __init__(self, handles: list) -> None:
-        if not handles:
-            raise ConfigError("no replicas to send requests to")
-        self.handles = handles
-        self.in_flight = [0] * len(handles)
-        self._lock = threading.Lock()
-
-    def generate_many(self, calls: list[tuple[list[int], int, SamplingParams]]) -> list[dict]:
-        import ray
-
-        picks = []
-        with self._lock:
-            for _ in calls:
-                index = min(range(len(self.handles)), key=self.in_flight.__getitem__)
-                self.in_flight[index] += 1
-                picks.append(index)
-        refs = [self.handles[i].generate.remote(*call) for i, call in zip(picks, calls)]
-        try:
-            return ray.get(refs)
-        finally:
-            with self._lock:
-                for index in picks:
-                    self.in_flight[index] -= 1
-
-
-class SummarizeBatch:
-    """Ray Data `map_batches` class: documents in, output rows (OUTPUT_SCHEMA) out.
-
-    One instance summarizes one document at a time, waiting on the replicas its chunks went
-    to; the job runs several instances so that many documents are in flight. Any failure of
-    a document becomes its error row; the job goes on.
-    """
-
-    def __init__(
-        self,
-        replicas: list,
-        settings: SummarizeSettings,
-        tokenizer_path: str,
-        duplicate_ids: dict[str, int] | set[str] | None = None,
-    ) -> None:
-        from pathlib import Path
-
-        from pipeline.model import checkpoint
-
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self.settings = settings
-        self.dispatcher = ReplicaDispatcher(replicas)
-        tokenizer = checkpoint.load_tokenizer(Path(tokenizer_path))
-        self.summarizer = DocumentSummarizer(tokenizer, self.dispatcher.generate_many, settings)
-        self.duplicate_ids = duplicate_ids or {}
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        return rows_to_table([self.summarize_row(row) for row in batch.to_pylist()])
-
-    def summarize_row(self, row: dict) -> dict:
-        from pipeline.summarization.documents import validate_row
-
-        problem = validate_row(row["id"], row["text"], row["input_error"], self.duplicate_ids)
-        if problem is not None:
-            return error_row(row["id"], problem, self.settings.model, self.settings.strategy)
-        started = time.perf_counter()
-        try:
-            out = self.summarizer.summarize(row["id"], row["text"], row.get("reference"))
-        except KnapSpecError as e:
-            message = str(e)
-        except Exception as e:  # a replica that could not recover, or a bug: the row says so, the job goes on
-            logger.exception("Document %r failed", row["id"])
-            message = f"{type(e).__name__}: {e}"
-        else:
-            logger.info(
-                "Summarized %s: %d chunks, %d prompt + %d output tokens in %.1f s",
-                row["id"], out["num_chunks"], out["prompt_tokens"], out["output_tokens"],
-                time.perf_counter() - started,
-            )
-            return out
-        logger.warning("Document %r: %s", row["id"], message)
-        return error_row(row["id"], message, self.settings.model, self.settings.strategy)

@@ -12,8 +12,9 @@ from pipeline.decoding.loop import DecodeConfig, decode, prefill
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.knapspec.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter, evaluate_skip_sets
-from pipeline.knapspec.drafter import KnapSpecConfig, KnapSpecDrafter
+from pipeline.knapspec.drafter import KnapSpecDrafter
 from pipeline.knapspec.hybrid import KnapSpecLookupDrafter
+from pipeline.knapspec.replanning import KnapSpecConfig
 from tests.builders import SEARCH_CONFIG, load_tiny, synthetic_latency
 
 # Few reference tokens and a weak prior: tiny models give the DP little to go on. Searches
@@ -186,7 +187,7 @@ def test_hybrid_keeps_learning_after_early_misses(tiny_deep_llama):
 
 def test_later_requests_inherit_ar_verdicts(tiny_deep_llama, monkeypatch):
     from pipeline.knapspec import drafter as knapspec
-    from pipeline.knapspec.drafter import SearchHistory
+    from pipeline.knapspec.replanning import SearchHistory
 
     _, model = load_tiny(tiny_deep_llama)
     lat = replace(synthetic_latency(model.spec.num_layers, verify_growth=0.3), t_fixed=0.05)  # dear fixed cost: AR wins

@@ -12,10 +12,11 @@ from pipeline.decoding.drafters import LayerSkipDrafter, NoDraft
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.errors import ConfigError
 from pipeline.knapspec.drafter import KnapSpecDrafter
-from pipeline.knapspec.knapsack import KnapsackProblem
+from pipeline.knapspec.knapsack import KnapsackProblem, run_knapsack
 from pipeline.model import checkpoint
 from pipeline.model.linear import ComputeMode
-from pipeline.parallel.staged_model import PipelineModel, StageLayout, StageModel, partition_layers
+from pipeline.parallel.layout import StageLayout, partition_layers
+from pipeline.parallel.staged_model import PipelineModel, StageModel
 from tests.builders import (
     SAMPLE_DOCS,
     SEARCH_CONFIG,
@@ -27,6 +28,7 @@ from tests.builders import (
     random_prompt,
     synthetic_latency,
 )
+from tests.slow_device import slow_down, slowed
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +107,7 @@ def test_the_dp_runs_on_each_stage_on_a_frontier_passed_along(six_layers, num_st
     problem = knapsack_problem(layer_rows)
     got = pipeline.run_knapsack(pcache, ids[48:], problem, 48, layer_rows)
     assert calls == ["knapsack_rows"] * num_stages
-    assert_same_frontier(got, whole.run_knapsack(cache, ids[48:], problem, 48, layer_rows))
+    assert_same_frontier(got, run_knapsack(whole, cache, ids[48:], problem, 48, layer_rows))
 
 
 @pytest.mark.parametrize("num_stages", [2, 3])
@@ -173,7 +175,7 @@ class TestRayStages:
             pipeline.prefill(pcache, ids[:40])
             problem = knapsack_problem(layer_rows=False)
             assert_same_frontier(
-                pipeline.run_knapsack(pcache, ids[40:48], problem, 40), whole.run_knapsack(cache, ids[40:48], problem, 40)
+                pipeline.run_knapsack(pcache, ids[40:48], problem, 40), run_knapsack(whole, cache, ids[40:48], problem, 40)
             )
             infos = ray.get([h.info.remote() for h in handles])
             assert [i["layers"] for i in infos] == [tuple(r) for r in partition_layers(6, num_stages)]
@@ -249,8 +251,9 @@ class TestRayStages:
         from actors.shard import start_pipeline
         from pipeline.engine import Engine, EngineConfig, StrategyConfig
         from pipeline.summarization.prompts import build_prompt
+        from profiling.calibration import store_calibrator
 
-        engine = Engine(EngineConfig(dtype="fp32"))
+        engine = Engine(EngineConfig(dtype="fp32"), calibrator=store_calibrator())
         doc = next(json.loads(line) for line in SAMPLE_DOCS.open() if "crs-r48179" in line)
         ids = build_prompt(engine.tokenizer, doc["text"], max_prompt_tokens=600).token_ids
         reference = engine.generate(ids, StrategyConfig("ar"), 24).token_ids
@@ -302,13 +305,15 @@ def test_a_slower_stage_gets_more_of_its_items_skipped(tmp_path, slow):
     path = make_tiny_checkpoint(tmp_path / "model", "llama", num_hidden_layers=8, quiet_layers=tuple(range(8)))
     fast = 1 - slow
     delays = [1e-3 if k == slow else 0.0 for k in range(2)]
-    pipeline = PipelineModel.local(path, 2, ComputeMode.FP32, delays=delays)
+    pipeline = PipelineModel.local(path, 2, ComputeMode.FP32)
+    slow_down(pipeline.links[slow].stage.local, delays[slow])
     measure = {"context_lengths": (64, 256), "repeats": 5, "max_verify": 4}
     config = checkpoint.load_config(path)
-    tables = [
-        device_calibration(config, "tiny", ComputeMode.FP32, "cpu", tmp_path / "store", d, **measure).latency
-        for d in delays
-    ]
+    tables = []
+    for d in delays:
+        with slowed(d):  # the slowed CPU is named apart: the two tables are stored apart
+            calibration = device_calibration(config, "tiny", ComputeMode.FP32, "cpu", tmp_path / "store", **measure)
+        tables.append(calibration.latency)
     latency = pipeline.calibrate([stage_table(t, 4, has_head=k == 1) for k, t in enumerate(tables)])
     weights = latency.item_weights(256)
     stage_weight = [sum(weights[:8]), sum(weights[8:])]

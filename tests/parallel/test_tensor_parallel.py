@@ -16,7 +16,8 @@ from pipeline.knapspec.drafter import KnapSpecDrafter
 from pipeline.model import checkpoint
 from pipeline.model.linear import ComputeMode
 from pipeline.model.spec import ModelSpec
-from pipeline.parallel.staged_model import PipelineModel, StageLayout, StageModel, partition_layers
+from pipeline.parallel.layout import StageLayout, stage_layouts
+from pipeline.parallel.staged_model import PipelineModel, StageModel
 from pipeline.parallel.tensor_parallel import check_tensor_parallel, shard_config, shard_rule, shard_tensor
 from tests.builders import SEARCH_CONFIG, generate, load_tiny, make_tiny_checkpoint, random_prompt, synthetic_latency
 
@@ -110,7 +111,7 @@ class ThreadedGroupLink:
 def threaded_pipeline(path, num_stages: int, size: int) -> PipelineModel:
     config = checkpoint.load_config(path)
     spec = ModelSpec.from_hf_config(config)
-    layouts = [StageLayout(i, num_stages, a, b) for i, (a, b) in enumerate(partition_layers(spec.num_layers, num_stages))]
+    layouts = stage_layouts(spec.num_layers, num_stages)
     links = []
     for layout in layouts:
         group = ThreadGroup(size)

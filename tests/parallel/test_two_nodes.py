@@ -14,7 +14,7 @@ from pipeline.decoding.drafters import NoDraft
 from pipeline.errors import ConfigError
 from pipeline.knapspec.drafter import KnapSpecDrafter
 from pipeline.model.linear import ComputeMode
-from pipeline.throttle import SUBLAYER_DELAY_ENV
+from tests import slow_device
 from tests.builders import (
     REPO,
     SEARCH_CONFIG,
@@ -37,9 +37,10 @@ def two_nodes():
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    slow = cluster.add_node(num_cpus=1, env_vars={SUBLAYER_DELAY_ENV: str(SLOW_NODE_DELAY_S)})
+    # The slow node's workers slow their models down (tests/slow_device.py) and name their device apart.
+    slow = cluster.add_node(num_cpus=1, env_vars={slow_device.SLOW_DEVICE_ENV: str(SLOW_NODE_DELAY_S)})
     try:
-        ray.init(address=cluster.address)
+        ray.init(address=cluster.address, runtime_env=slow_device.runtime_env())
         cluster.wait_for_nodes()
         yield cluster, slow.node_id
     finally:
@@ -107,7 +108,7 @@ def test_placement_that_cannot_fit_names_the_missing_resources(two_nodes, quiet_
 def test_profile_job_calibrates_every_node(two_nodes, quiet_model, tmp_path):
     cluster, slow_node = two_nodes
     result = subprocess.run(
-        [sys.executable, str(REPO / "jobs" / "profile.py"), "--address", cluster.address, "--model", str(quiet_model),
+        [sys.executable, str(REPO / "jobs" / "calibrate.py"), "--address", cluster.address, "--model", str(quiet_model),
          "--dtype", "fp32", "--context-lengths", "64,256", "--repeats", "3", "--max-verify", "3",
          "--store", str(tmp_path / "store"), "--quiet"],
         capture_output=True, text=True, timeout=300, cwd=REPO,

@@ -1,4 +1,4 @@
-"""profiling/: the least-squares fit, timers, microbenchmarks, the calibration store and jobs/profile.py.
+"""profiling/: the least-squares fit, timers, microbenchmarks, the calibration store and jobs/calibrate.py.
 
 No test asserts on wall time: timings are checked for shape, sign and finiteness only.
 """
@@ -23,17 +23,16 @@ from pipeline.errors import ConfigError
 from pipeline.knapspec.latency import LatencyModel
 from pipeline.model.linear import ComputeMode
 from profiling import microbench
-from profiling.calibration import (
+from profiling.calibration import CalibrationStore, store_calibrator
+from profiling.fit import fit_linear, relative_rms
+from profiling.record import (
     FORMAT_VERSION,
     Calibration,
     CalibrationFormatError,
     CalibrationKey,
-    CalibrationStore,
     cpu_model_name,
     device_name,
-    store_calibrator,
 )
-from profiling.fit import fit_linear, relative_rms
 from profiling.timer import (
     CudaEventTimer,
     Measurement,
@@ -45,7 +44,7 @@ from profiling.timer import (
 from tests.builders import load_tiny
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "jobs" / "profile.py"
+SCRIPT = REPO / "jobs" / "calibrate.py"
 LENGTHS = (128, 512, 1024, 2048, 4096)
 
 

@@ -13,17 +13,10 @@ import pytest
 import ray
 
 from pipeline.errors import ConfigError
-from pipeline.summarization.documents import (
-    DEFAULT_REFERENCE_COLUMN,
-    DOCUMENT_SCHEMA,
-    FORMATS,
-    DocumentDatasource,
-    count_ids,
-    find_duplicate_ids,
-    read_documents,
-    resolve_input,
-    validate_row,
-)
+from pipeline.summarization.datasource import DocumentDatasource, read_documents
+from pipeline.summarization.inputs import DEFAULT_REFERENCE_COLUMN, FORMATS, resolve_input
+from pipeline.summarization.readers import DOCUMENT_SCHEMA
+from pipeline.summarization.rows import count_ids, find_duplicate_ids, validate_row
 from tests.builders import sample_documents
 
 pytestmark = pytest.mark.ray

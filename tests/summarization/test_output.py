@@ -102,7 +102,7 @@ def test_run_totals_table():
                                           rougeL=0.2)]))
     totals.merge(other)
     assert (totals.rows, totals.ok, totals.errors, totals.chunks) == (4, 3, 1, 6)
-    assert totals.output_tokens == 30 and totals.acceptance_rate == pytest.approx(0.7)
+    assert totals.decoding.output_tokens == 30 and totals.acceptance_rate == pytest.approx(0.7)
     assert totals.rouge("rouge1") == pytest.approx(0.4) and totals.first_errors == ["c: empty"]
     lines = totals.table(wall_s=36.0).splitlines()
     assert len(lines) == 3 and lines[2].startswith("| 4 | 3 | 1 | 6 |") and lines[2].endswith("| 300.0 |")

@@ -8,7 +8,8 @@ import pytest
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.errors import ConfigError, RowError
 from pipeline.summarization.output import OUTPUT_COLUMNS, rows_to_table
-from pipeline.summarization.summarizer import DocumentSummarizer, SummarizeBatch, SummarizeSettings, rouge
+from pipeline.summarization.stage import SummarizeBatch
+from pipeline.summarization.summarizer import DocumentSummarizer, SummarizeSettings, rouge
 from tests.builders import sample_documents
 
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Calibrate KnapSpec's latency model: on this device, or on every node of a Ray cluster.
 
-    python jobs/profile.py                                  # embedded model, default dtype, CPU
-    python jobs/profile.py --dtype fp32 --context-lengths 512,2048 --output out/latency.json
-    python jobs/profile.py --address auto --device cuda     # every node of a running cluster
+    python jobs/calibrate.py                                  # embedded model, default dtype, CPU
+    python jobs/calibrate.py --dtype fp32 --context-lengths 512,2048 --output out/latency.json
+    python jobs/calibrate.py --address auto --device cuda     # every node of a running cluster
 
 With --address, a ProfilerActor on each node calibrates that node's device for the model's
 layer shapes (random weights: no node reads the checkpoint's layers) into the node's store,
@@ -18,28 +18,24 @@ Bad arguments end with one `error: ...` line on stderr and exit code 2.
 
 from __future__ import annotations
 
+import argparse
+import logging
 import sys
 from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path, where its name would
-# shadow the standard library's `profile` (which cProfile, and so torch, may import).
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]
+import torch
 
-import argparse  # noqa: E402
-import logging  # noqa: E402
+from pipeline.cli import Parser, check_device, check_model, positive_int, run_reporting_errors
+from pipeline.engine import Engine, EngineConfig
+from pipeline.errors import ConfigError
+from pipeline.logs import configure_logging
+from pipeline.model import checkpoint
+from pipeline.model.linear import DTYPE_CHOICES, resolve_compute_mode
+from profiling import microbench
+from profiling.calibration import CalibrationStore
+from profiling.record import DEFAULT_LAYOUT, Calibration, CalibrationKey
 
-import torch  # noqa: E402
-
-from pipeline.cli import Parser, positive_int, usage_error  # noqa: E402
-from pipeline.engine import Engine, EngineConfig  # noqa: E402
-from pipeline.errors import ConfigError, KnapSpecError  # noqa: E402
-from pipeline.model import checkpoint  # noqa: E402
-from pipeline.model.linear import DTYPE_CHOICES, resolve_compute_mode  # noqa: E402
-from profiling import microbench  # noqa: E402
-from profiling.calibration import DEFAULT_LAYOUT, Calibration, CalibrationKey, CalibrationStore  # noqa: E402
-
-logger = logging.getLogger("profile")
+logger = logging.getLogger("calibrate")
 
 # Contexts at which the table shows the knapsack's integer weights, besides the measured ones.
 EXTRA_WEIGHT_CONTEXTS = (8192,)
@@ -58,7 +54,7 @@ def _context_lengths(value: str) -> tuple[int, ...]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = Parser(prog="profile.py", description="Calibrate the KnapSpec latency model on this device.")
+    parser = Parser(prog="calibrate.py", description="Calibrate the KnapSpec latency model on this device.")
     parser.add_argument(
         "--model", help=f"a local Hugging Face checkpoint folder (default: the embedded {checkpoint.EMBEDDED_MODEL})"
     )
@@ -93,15 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _check_settings(args: argparse.Namespace) -> None:
     """Everything that can be checked before the model is loaded."""
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise ConfigError(f"unknown device {args.device!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {args.device!r} asked for, but CUDA is not available")
-    resolve_compute_mode(args.dtype, device)
-    if args.model is not None and args.model != checkpoint.EMBEDDED_MODEL:
-        checkpoint.resolve_checkpoint(args.model)
+    check_device(args.device, args.dtype)
+    check_model(args.model)
     if args.output is not None and args.output.is_dir():
         raise ConfigError(f"--output {args.output} is a folder; give a file name like {args.output / 'latency.json'}")
 
@@ -242,23 +231,17 @@ def _percent(value: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.WARNING if args.quiet else logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    try:
-        if args.address is not None:
-            if args.output is not None:
-                raise ConfigError("--output writes one device's calibration; with --address they go to each node's store")
-            print(format_cluster(*run_cluster(args)))
-        else:
-            print(format_table(run(args)))
-    except (KnapSpecError, OSError, ValueError) as e:
-        return usage_error(e)
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+    configure_logging(args.quiet)
+    return run_reporting_errors(lambda: _calibrate(args))
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    if args.address is not None:
+        if args.output is not None:
+            raise ConfigError("--output writes one device's calibration; with --address they go to each node's store")
+        print(format_cluster(*run_cluster(args)))
+    else:
+        print(format_table(run(args)))
     return 0
 
 

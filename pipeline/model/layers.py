@@ -1,0 +1,108 @@
+"""The layer math of a Llama-style decoder: RMSNorm, rotary embedding, the masks a block
+of queries needs, and attention — pure functions over tensors, as Hugging Face computes
+them, so that fp32 outputs match transformers token for token.
+
+Attention has two forms. A long block of queries (a prefill chunk) goes through PyTorch's
+fused `scaled_dot_product_attention`. A short one — a decode step, a verification, the
+knapsack DP's branches — goes through `grouped_attention`: each KV head's query group is
+folded into the rows of batched matmuls over the keys as they lie in memory, so K/V heads
+are never repeated, and one function serves the committed cache alone (decode, verify)
+and the cache plus each branch's own tokens (the DP).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Longer query blocks (prefill chunks) go through PyTorch's fused attention; short
+# ones (decode, verify) through the grouped product that never repeats K/V heads.
+FUSED_ATTENTION_MIN_TOKENS = 16
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As Hugging Face's LlamaRMSNorm: normalize in fp32, scale in the compute dtype.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [..., T, heads, head_dim] as Hugging Face applies it (rotate_half);
+    cos/sin [T, head_dim] broadcast over the leading dimensions."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def prefill_mask(num_tokens: int, start: int, device: torch.device) -> torch.Tensor | None:
+    """The mask fused attention needs for a block of queries at [start, start + T): None for the
+    first block (is_causal does it), else [T, start + T], True where attending is allowed."""
+    if start == 0:
+        return None
+    positions = torch.arange(start + num_tokens, device=device)
+    return positions[None, :] <= (start + torch.arange(num_tokens, device=device))[:, None]
+
+
+def fused_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """q [T, H, head_dim] at positions [start, start + T) over keys/values [kv_heads, start + T, head_dim]
+    -> [T, H * head_dim]."""
+    num_tokens = q.shape[0]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        keys[None],
+        values[None],
+        attn_mask=mask,
+        is_causal=start == 0,
+        scale=scale,
+        enable_gqa=True,
+    )  # [1, H, T, head_dim]
+    return out[0].transpose(0, 1).reshape(num_tokens, -1)
+
+
+def group_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Queries [B, T, H, head_dim] -> [kv_heads, B, groups, T, head_dim]: query head h reads KV head h // groups."""
+    num_branches, num_tokens, num_heads, head_dim = q.shape
+    groups = num_heads // num_kv_heads
+    return q.view(num_branches, num_tokens, num_kv_heads, groups, head_dim).permute(2, 0, 3, 1, 4)
+
+
+def ungroup(out: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, B, groups, T, head_dim] -> [B * T, H * head_dim], heads ordered (kv_head, group)."""
+    num_kv_heads, num_branches, groups, num_tokens, head_dim = out.shape
+    return out.permute(1, 3, 0, 2, 4).reshape(num_branches * num_tokens, num_kv_heads * groups * head_dim)
+
+
+def grouped_attention(
+    qg: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    own_keys: torch.Tensor | None = None,
+    own_values: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of T query rows per branch, causal within the block.
+
+    qg: [kv_heads, B, groups, T, head_dim], already scaled. keys/values [kv_heads, n, head_dim]
+    are read by every branch. Without `own_*` the block's own keys are the last T of `keys`
+    (decode and verify: the block was written into the cache first); with them
+    ([kv_heads, B, T, head_dim]) each branch attends to the shared keys and causally to its
+    own (the DP: the cache is only read). Returns [kv_heads, B, groups, T, head_dim].
+    """
+    num_kv_heads, num_branches, groups, num_tokens, head_dim = qg.shape
+    rows = qg.reshape(num_kv_heads, num_branches * groups * num_tokens, head_dim)
+    num_shared = keys.shape[1]
+    scores = torch.bmm(rows, keys.transpose(1, 2)).view(num_kv_heads, num_branches, groups, num_tokens, num_shared)
+    if own_keys is not None:
+        own_scores = torch.matmul(qg, own_keys.transpose(-1, -2)[:, :, None])  # [kv_heads, B, groups, T, T]
+        scores = torch.cat([scores, own_scores], dim=-1)
+    if num_tokens > 1:
+        later = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=qg.device).triu(1)
+        scores[..., -num_tokens:].masked_fill_(later, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+    shared_probs = probs[..., :num_shared].reshape(num_kv_heads, -1, num_shared)
+    out = torch.bmm(shared_probs, values).view(num_kv_heads, num_branches, groups, num_tokens, head_dim)
+    if own_values is not None:
+        out = out + torch.matmul(probs[..., num_shared:], own_values[:, :, None])
+    return out

@@ -1,0 +1,124 @@
+"""The Ray Data glue of the summarization job: the `map_batches` stage, its dispatcher to the
+replicas, and the datasink that writes the stage's rows."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import ray
+from ray.data import Datasink
+from ray.data.block import BlockAccessor
+
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.errors import ConfigError, KnapSpecError
+from pipeline.logs import configure_worker_logging
+from pipeline.summarization.output import OUTPUT_COLUMNS, RunTotals, error_row, rows_to_table, write_part
+from pipeline.summarization.rows import validate_row
+from pipeline.summarization.summarizer import DocumentSummarizer, SummarizeSettings
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaDispatcher:
+    """Sends requests to the replica with the fewest requests in flight from this process."""
+
+    def __init__(self, handles: list) -> None:
+        if not handles:
+            raise ConfigError("no replicas to send requests to")
+        self.handles = handles
+        self.in_flight = [0] * len(handles)
+        self._lock = threading.Lock()
+
+    def generate_many(self, calls: list[tuple[list[int], int, SamplingParams]]) -> list[dict]:
+        picks = []
+        with self._lock:
+            for _ in calls:
+                index = min(range(len(self.handles)), key=self.in_flight.__getitem__)
+                self.in_flight[index] += 1
+                picks.append(index)
+        refs = [self.handles[i].generate.remote(*call) for i, call in zip(picks, calls)]
+        try:
+            return ray.get(refs)
+        finally:
+            with self._lock:
+                for index in picks:
+                    self.in_flight[index] -= 1
+
+
+class SummarizeBatch:
+    """Ray Data `map_batches` class: documents in, output rows (OUTPUT_SCHEMA) out.
+
+    One instance summarizes one document at a time, waiting on the replicas its chunks went
+    to; the job runs several instances so that many documents are in flight. Any failure of
+    a document becomes its error row; the job goes on.
+    """
+
+    def __init__(
+        self,
+        replicas: list,
+        settings: SummarizeSettings,
+        tokenizer_path: str,
+        duplicate_ids: dict[str, int] | set[str] | None = None,
+    ) -> None:
+        from pipeline.model import checkpoint
+
+        configure_worker_logging()
+        self.settings = settings
+        self.dispatcher = ReplicaDispatcher(replicas)
+        tokenizer = checkpoint.load_tokenizer(Path(tokenizer_path))
+        self.summarizer = DocumentSummarizer(tokenizer, self.dispatcher.generate_many, settings)
+        self.duplicate_ids = duplicate_ids or {}
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return rows_to_table([self.summarize_row(row) for row in batch.to_pylist()])
+
+    def summarize_row(self, row: dict) -> dict:
+        problem = validate_row(row["id"], row["text"], row["input_error"], self.duplicate_ids)
+        if problem is not None:
+            return error_row(row["id"], problem, self.settings.model, self.settings.strategy)
+        started = time.perf_counter()
+        try:
+            out = self.summarizer.summarize(row["id"], row["text"], row.get("reference"))
+        except KnapSpecError as e:
+            message = str(e)
+        except Exception as e:  # a replica that could not recover, or a bug: the row says so, the job goes on
+            logger.exception("Document %r failed", row["id"])
+            message = f"{type(e).__name__}: {e}"
+        else:
+            logger.info(
+                "Summarized %s: %d chunks, %d prompt + %d output tokens in %.1f s",
+                row["id"], out["num_chunks"], out["prompt_tokens"], out["output_tokens"],
+                time.perf_counter() - started,
+            )
+            return out
+        logger.warning("Document %r: %s", row["id"], message)
+        return error_row(row["id"], message, self.settings.model, self.settings.strategy)
+
+
+class SummarySink(Datasink[RunTotals]):
+    """Writes each block as it arrives (one atomic Parquet part file per block), so a killed
+    job loses only the rows in flight, and tallies what it wrote for the job's closing table."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self.totals = RunTotals()
+
+    def get_name(self) -> str:
+        return "WriteSummaries"
+
+    def write(self, blocks, ctx) -> RunTotals:
+        totals = RunTotals()
+        for block in blocks:
+            table = BlockAccessor.for_block(block).to_arrow()
+            if table.num_rows:
+                write_part(self.folder, table.select(list(OUTPUT_COLUMNS)))
+                totals.add_table(table)
+        return totals
+
+    def on_write_complete(self, write_result) -> None:
+        for totals in write_result.write_returns:
+            self.totals.merge(totals)

@@ -1,0 +1,86 @@
+"""The house rules that keep the rooms apart: what each package may import, where Ray may
+be imported, where environment variables may be read, and how large a module may grow."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.builders import REPO
+
+PRODUCTION = ("pipeline", "actors", "profiling")
+CORE_ROOMS = ("pipeline.model", "pipeline.decoding", "pipeline.knapspec")
+# The summarization room's Ray Data modules: its datasource, and its map_batches stage with the sink.
+RAY_IN_PIPELINE = {"pipeline/summarization/datasource.py", "pipeline/summarization/stage.py"}
+MAX_MODULE_LINES = 420  # "a few hundred lines at most", with a little slack
+
+
+def modules(*packages: str) -> list[Path]:
+    return sorted(p for package in packages for p in (REPO / package).rglob("*.py"))
+
+
+def imported(path: Path) -> set[str]:
+    """Top-level names of everything `path` imports when it runs, function-local imports
+    included (not those for type checkers only)."""
+    names = set()
+    pending = [ast.parse(path.read_text(), str(path))]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            pending.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+        pending.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def test_pipeline_imports_nothing_from_actors_jobs_or_profiling():
+    offenders = {
+        str(p.relative_to(REPO)): sorted(imported(p) & {"actors", "jobs", "profiling"}) for p in modules("pipeline")
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_ray_only_in_the_ray_data_modules():
+    with_ray = {str(p.relative_to(REPO)) for p in modules("pipeline") if "ray" in imported(p)}
+    assert with_ray == RAY_IN_PIPELINE
+
+
+def test_core_rooms_import_without_ray():
+    code = (
+        "import importlib, pkgutil, sys\n"
+        f"for room in {CORE_ROOMS!r}:\n"
+        "    package = importlib.import_module(room)\n"
+        "    for info in pkgutil.walk_packages(package.__path__, room + '.'):\n"
+        "        importlib.import_module(info.name)\n"
+        "loaded = sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.'))\n"
+        "assert not loaded, loaded\n"
+        "assert not any(m.split('.')[0] in ('actors', 'profiling') for m in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_no_production_module_reads_the_environment():
+    """Settings come in through config objects built at the jobs' boundary, and test
+    support stays in tests/: nothing below jobs/ reads an environment variable."""
+    readers = []
+    for path in modules(*PRODUCTION):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
+                if isinstance(node.value, ast.Name) and node.value.id == "os":
+                    readers.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert readers == []
+
+
+@pytest.mark.parametrize("package", PRODUCTION)
+def test_modules_stay_small(package):
+    sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in modules(package)}
+    assert {k: n for k, n in sizes.items() if n > MAX_MODULE_LINES} == {}
