@@ -5,7 +5,9 @@
 - `knapspec/`: latency model, knapsack DP, TPT plan, the KnapSpec drafters and baselines;
 - `parallel/`: pipeline stages and tensor-parallel slices of one model;
 - `summarization/`: the summarization job's data stages;
-- `engine.py`: the front door — load a model once, generate with any strategy.
+- `engine.py`: the front door — load a model once, generate with any strategy;
+- `errors.py`, `logs.py`, `cli.py`: shared by all: the error hierarchy, logging set-up, and
+  what the command-line jobs check and report alike.
 
-Nothing here imports `actors`, `jobs` or `profiling`.
+Nothing here imports `actors`, `jobs` or `profiling` (tests/test_layout.py checks the rules).
 """

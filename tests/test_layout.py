@@ -17,13 +17,22 @@ CORE_ROOMS = ("pipeline.model", "pipeline.decoding", "pipeline.knapspec")
 # The summarization room's Ray Data modules: its datasource, and its map_batches stage with the sink.
 RAY_IN_PIPELINE = {"pipeline/summarization/datasource.py", "pipeline/summarization/stage.py"}
 MAX_MODULE_LINES = 420  # "a few hundred lines at most", with a little slack
+# What each room may import from the others, as its __init__.py says (errors and logs are shared by all).
+SHARED = {"errors", "logs"}
+ALLOWED = {
+    "model": set(),
+    "decoding": {"model"},
+    "knapspec": {"model", "decoding"},
+    "parallel": {"model", "decoding", "knapspec"},
+    "summarization": {"model", "decoding", "knapspec", "parallel", "engine", "cli"},
+}
 
 
 def modules(*packages: str) -> list[Path]:
     return sorted(p for package in packages for p in (REPO / package).rglob("*.py"))
 
 
-def imported(path: Path) -> set[str]:
+def imported(path: Path, depth: int = 1) -> set[str]:
     """Top-level names of everything `path` imports when it runs, function-local imports
     included (not those for type checkers only)."""
     names = set()
@@ -34,9 +43,9 @@ def imported(path: Path) -> set[str]:
             pending.extend(node.orelse)
             continue
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            names.update(".".join(alias.name.split(".")[:depth]) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            names.add(".".join(node.module.split(".")[:depth]))
         pending.extend(ast.iter_child_nodes(node))
     return names
 
@@ -46,6 +55,14 @@ def test_pipeline_imports_nothing_from_actors_jobs_or_profiling():
         str(p.relative_to(REPO)): sorted(imported(p) & {"actors", "jobs", "profiling"}) for p in modules("pipeline")
     }
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+@pytest.mark.parametrize("room", sorted(ALLOWED))
+def test_rooms_import_only_the_rooms_below_them(room):
+    reached = set()
+    for path in modules(f"pipeline/{room}"):
+        reached |= {name.split(".")[1] for name in imported(path, depth=2) if name.startswith("pipeline.")}
+    assert reached - {room} - SHARED <= ALLOWED[room]
 
 
 def test_ray_only_in_the_ray_data_modules():

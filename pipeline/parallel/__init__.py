@@ -1,4 +1,4 @@
-"""One model over several processes: the stage layout, a stage's share of the model and
+"""One model over several processes: the stage layout (layout.py), a stage's share of the model and
 the coordinator-side pipelined model with the single-process model's interface, and
 tensor-parallel slices with their all-reduce.
 
