@@ -92,11 +92,18 @@ REGISTRY: dict[str, Strategy] = {
         "the latency-aware knapsack over sublayers, TPT over γ, AR fallback", _SEARCH_MAX_DRAFT, _knapspec(False), True
     ),
     "knapspec-coupled": Strategy(
-        "KnapSpec with a layer's attention and MLP skipped together (ablation)", _SEARCH_MAX_DRAFT, _knapspec(True), True
+        "KnapSpec with a layer's attention and MLP skipped together (ablation)",
+        _SEARCH_MAX_DRAFT,
+        _knapspec(True),
+        True,
     ),
-    "clasp": Strategy("CLaSp: layer-granular cosine DP, latency-blind", _SEARCH_MAX_DRAFT, _baseline(ClaspDrafter), True),
+    "clasp": Strategy(
+        "CLaSp: layer-granular cosine DP, latency-blind", _SEARCH_MAX_DRAFT, _baseline(ClaspDrafter), True
+    ),
     "swift": Strategy("SWIFT: on-the-fly search of skipped layers", _SEARCH_MAX_DRAFT, _baseline(SwiftDrafter), True),
-    "early-exit": Strategy("the first layers only, the best exit depth", _SEARCH_MAX_DRAFT, _baseline(EarlyExitDrafter), True),
+    "early-exit": Strategy(
+        "the first layers only, the best exit depth", _SEARCH_MAX_DRAFT, _baseline(EarlyExitDrafter), True
+    ),
     "knapspec-lookup": Strategy(
         "KnapSpec plus prompt-lookup drafts in the same TPT search", _SEARCH_MAX_DRAFT, _knapspec_lookup, True
     ),
@@ -144,7 +151,9 @@ class Engine:
         self.hf_config = checkpoint.load_config(self.path)
         self.tokenizer = checkpoint.load_tokenizer(self.path)
         if model is None:
-            model = SublayerModel.from_tensors(self.hf_config, checkpoint.read_tensors(self.path), self.mode, self.device)
+            model = SublayerModel.from_tensors(
+                self.hf_config, checkpoint.read_tensors(self.path), self.mode, self.device
+            )
         self.model = model
         self.eos_token_ids = _eos_token_ids(self.path, self.hf_config, self.tokenizer)
         self._hf_model = None

@@ -42,6 +42,7 @@ TINY_FAMILIES = {
     "mistral": dict(model_type="mistral", sliding_window=None),
 }
 
+
 def make_tiny_checkpoint(
     path: Path,
     family: str,
@@ -80,6 +81,7 @@ def make_tiny_checkpoint(
     model.save_pretrained(path, safe_serialization=True)
     return path
 
+
 def load_tiny(path: Path, mode: str = "fp32"):
     """(HF model, our SublayerModel) of a tiny checkpoint."""
     from pipeline.model import checkpoint
@@ -90,8 +92,10 @@ def load_tiny(path: Path, mode: str = "fp32"):
     model = SublayerModel.from_tensors(config, checkpoint.read_tensors(path), ComputeMode(mode))
     return checkpoint.load_hf_model(path), model
 
+
 def sample_documents() -> list[dict]:
     return [json.loads(line) for line in SAMPLE_DOCS.read_text().splitlines() if line.strip()]
+
 
 def chi_square_p_value(counts: dict, exact: dict, num_samples: int) -> float:
     """Goodness of fit of sampled sequences to their exact probabilities, rare cells merged
@@ -114,6 +118,7 @@ def chi_square_p_value(counts: dict, exact: dict, num_samples: int) -> float:
     scale = sum(observed) / sum(expected)
     return chisquare(observed, [e * scale for e in expected]).pvalue
 
+
 def exact_joint_law(model, prompt: torch.Tensor, params) -> dict[tuple[int, int, int], float]:
     """P(t1, t2, t3) of plain sampling after `prompt`, over every sequence of nonzero probability."""
     from pipeline.decoding.sampling import probabilities
@@ -132,8 +137,10 @@ def exact_joint_law(model, prompt: torch.Tensor, params) -> dict[tuple[int, int,
                 exact[(t1, t2, t3)] = (p1[t1] * p2[t2] * p3[t3]).item()
     return exact
 
+
 # The tokenizer files of a chat model, copied next to a tiny model's weights.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
 
 def make_tiny_chat_checkpoint(path: Path, **overrides) -> Path:
     """A tiny random Llama that uses the embedded model's real tokenizer and chat template:
@@ -191,7 +198,9 @@ def random_prompt(seed: int, length: int = 48) -> torch.Tensor:
 def generate(model, prompt_ids, drafter, max_new=32) -> list[int]:
     """Greedy tokens of `drafter` on `model` (the whole model, or a pipelined one)."""
     prefilled = prefill(model, prompt_ids, max_new)
-    result = decode(model, prefilled, DecodeConfig(max_new_tokens=max_new), SamplingParams(), drafter, prompt_ids.tolist())
+    result = decode(
+        model, prefilled, DecodeConfig(max_new_tokens=max_new), SamplingParams(), drafter, prompt_ids.tolist()
+    )
     return result.token_ids
 
 

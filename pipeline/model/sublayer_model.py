@@ -126,7 +126,9 @@ class SublayerModel:
                     q_norm=norm(p + "self_attn.q_norm.weight") if spec.qk_norm else None,
                     k_norm=norm(p + "self_attn.k_norm.weight") if spec.qk_norm else None,
                     post_norm=norm(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]), None, mode),
+                    gate_up=Linear(
+                        torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]), None, mode
+                    ),
                     down=Linear(get(p + "mlp.down_proj.weight"), None, mode),
                 )
             )
@@ -266,7 +268,9 @@ class SublayerModel:
         prefix_k, prefix_v = cache.view(layer_index, prefix_len)  # [kv_heads, p, head_dim]
         # [kv_heads, B, r, head_dim]: each branch's own keys and values
         own_k, own_v = k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)
-        out = grouped_attention(group_queries(q * self._scale, self.spec.num_kv_heads), prefix_k, prefix_v, own_k, own_v)
+        out = grouped_attention(
+            group_queries(q * self._scale, self.spec.num_kv_heads), prefix_k, prefix_v, own_k, own_v
+        )
         return (flat + self._reduced(layer.o(ungroup(out)))).view_as(h)
 
     @property
@@ -291,7 +295,13 @@ class SublayerModel:
         return partial if self.reduce is None else self.reduce(partial)
 
     def _qkv(
-        self, layer: LayerWeights, h: torch.Tensor, num_branches: int, num_tokens: int, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        layer: LayerWeights,
+        h: torch.Tensor,
+        num_branches: int,
+        num_tokens: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows h [B * T, d] -> rotated queries [B, T, H, head_dim], keys and values [B, T, kv_heads, head_dim]."""
         s = self.spec

@@ -175,7 +175,8 @@ class TestRayStages:
             pipeline.prefill(pcache, ids[:40])
             problem = knapsack_problem(layer_rows=False)
             assert_same_frontier(
-                pipeline.run_knapsack(pcache, ids[40:48], problem, 40), run_knapsack(whole, cache, ids[40:48], problem, 40)
+                pipeline.run_knapsack(pcache, ids[40:48], problem, 40),
+                run_knapsack(whole, cache, ids[40:48], problem, 40),
             )
             infos = ray.get([h.info.remote() for h in handles])
             assert [i["layers"] for i in infos] == [tuple(r) for r in partition_layers(6, num_stages)]
