@@ -23,9 +23,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pipeline.errors import ConfigError
+from pipeline.model.context import max_context_of, prefill_chunk_for
 from pipeline.model.linear import ComputeMode
 from pipeline.model.spec import ModelSpec
-from pipeline.model.sublayer_model import max_context_of, prefill_chunk_for
 from pipeline.parallel.layout import StageLayout, stage_layouts
 from pipeline.parallel.staged_model import PipelineModel, StageModel
 from pipeline.parallel.tensor_parallel import check_tensor_parallel

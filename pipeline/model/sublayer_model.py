@@ -10,6 +10,7 @@ is in `pipeline.model.layers`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from pipeline.errors import ConfigError
 from pipeline.model import items
+from pipeline.model.context import check_context, max_context_of, prefill_chunk_for, prefill_in_chunks
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.layers import (
     FUSED_ATTENTION_MIN_TOKENS,
@@ -30,12 +32,7 @@ from pipeline.model.layers import (
     ungroup,
 )
 from pipeline.model.linear import ComputeMode, Linear
-from pipeline.model.spec import ModelSpec, sliding_window_of
-
-# Prefill chunks are as long as this many floats of MLP activations allow: long chunks
-# waste less attention work on masked-out blocks and run larger matmuls.
-PREFILL_ACTIVATION_BUDGET = 16 * 2**20
-MIN_PREFILL_CHUNK, MAX_PREFILL_CHUNK = 512, 4096
+from pipeline.model.spec import ModelSpec
 
 
 @dataclass
@@ -48,6 +45,16 @@ class LayerWeights:
     post_norm: torch.Tensor  # [d]
     gate_up: Linear  # d -> 2 * intermediate
     down: Linear  # intermediate -> d
+
+
+@dataclass(frozen=True)
+class RequestRows:
+    """One request's rows in a batched forward: `token_ids` [T] at positions [start, start + T)
+    of its own cache (T = 1 to decode, 1 + γ to verify, a chunk to prefill)."""
+
+    cache: KVCache
+    token_ids: torch.Tensor
+    start: int
 
 
 @dataclass
@@ -195,6 +202,51 @@ class SublayerModel:
         )
 
     @torch.inference_mode()
+    def forward_batch(
+        self, blocks: Sequence[RequestRows], skip: Collection[int] = (), logits: str = "all"
+    ) -> list[torch.Tensor | None]:
+        """One forward over the rows of several requests: every linear runs once over all rows,
+        attention per request over its own cache (into which its keys/values go), so a request's
+        result does not depend on the others' values. `skip` is the batch's one sub-network.
+        Per request: logits for each of its rows ("all"), its last row ("last"), or None ("none").
+        """
+        if not blocks:
+            raise ConfigError("a batched forward needs at least one request")
+        if logits not in ("all", "last", "none"):
+            raise ConfigError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
+        sizes = [block.token_ids.shape[0] for block in blocks]
+        offsets = [0, *itertools.accumulate(sizes)]
+        for block, size in zip(blocks, sizes):
+            block.cache.check_room(block.start + size)
+        cos, sin = self._rotary_tables(max(block.start + size for block, size in zip(blocks, sizes)))
+        positions = torch.cat([torch.arange(b.start, b.start + n, device=self.device) for b, n in zip(blocks, sizes)])
+        cos, sin = cos[positions], sin[positions]  # [M, head_dim]: each row at its own request's position
+        masks = [
+            prefill_mask(n, b.start, self.device) if n >= FUSED_ATTENTION_MIN_TOKENS else None
+            for b, n in zip(blocks, sizes)
+        ]
+        h = self.embed[torch.cat([block.token_ids for block in blocks]).to(self.device)]  # [M, d]
+        for i, layer in enumerate(self.layers):
+            attn_item, mlp_item = items.layer_items(i)
+            if attn_item not in skip:
+                q, k, v = self._qkv(layer, h, 1, h.shape[0], cos, sin)  # [1, M, heads, head_dim]
+                out = torch.cat(
+                    [
+                        self._attend(i, q[0, a:e], k[0, a:e], v[0, a:e], block.cache, block.start, mask)
+                        for block, a, e, mask in zip(blocks, offsets, offsets[1:], masks)
+                    ]
+                )
+                h = h + self._reduced(layer.o(out))
+            if mlp_item not in skip:
+                h = h + self._mlp(layer, h)
+        if logits == "none":
+            return [None] * len(blocks)
+        if logits == "last":
+            last = torch.tensor([end - 1 for end in offsets[1:]], device=self.device)
+            return list(self.logits(h[last]).split(1))
+        return list(self.logits(h).split(sizes))
+
+    @torch.inference_mode()
     def run_layers(
         self,
         cache: KVCache,
@@ -328,47 +380,24 @@ class SublayerModel:
     ) -> torch.Tensor:
         """Attention of tokens at [start, start + T) after writing their keys/values into the cache;
         `mask` is fused attention's (prefill_mask), unused by short blocks."""
-        num_tokens = h.shape[0]
-        q, k, v = self._qkv(layer, h, 1, num_tokens, cos, sin)
-        q, k, v = q[0], k[0], v[0]
+        q, k, v = self._qkv(layer, h, 1, h.shape[0], cos, sin)
+        return self._reduced(layer.o(self._attend(index, q[0], k[0], v[0], cache, start, mask)))
+
+    def _attend(
+        self,
+        index: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        start: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One request's queries, keys and values [T, heads, head_dim] at [start, start + T): the
+        keys and values into its cache, then attention over it -> [T, H * head_dim]."""
+        num_tokens = q.shape[0]
         cache.write(index, start, k.transpose(0, 1), v.transpose(0, 1))
         keys, values = cache.view(index, start + num_tokens)  # [kv_heads, n, head_dim]
         if num_tokens >= FUSED_ATTENTION_MIN_TOKENS:
-            out = fused_attention(q, keys, values, start, mask, self._scale)
-        else:
-            out = ungroup(grouped_attention(group_queries(q[None] * self._scale, self.spec.num_kv_heads), keys, values))
-        return self._reduced(layer.o(out))
-
-
-def check_context(capacity: int, max_context: int) -> None:
-    if capacity > max_context:
-        raise ConfigError(
-            f"a context of {capacity} tokens exceeds this model's limit of {max_context}; "
-            "lower --max-context or --max-new-tokens"
-        )
-
-
-def prefill_in_chunks(model, cache, token_ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """A prompt through `model.forward` in chunks from `cache.length`, logits of the last position
-    only; then the prompt is committed. Shared by the whole model and the pipelined one."""
-    start = cache.length
-    cache.check_room(start + token_ids.shape[0])
-    last = None
-    for offset in range(0, token_ids.shape[0], chunk_size):
-        chunk = token_ids[offset : offset + chunk_size]
-        is_last = offset + chunk_size >= token_ids.shape[0]
-        last = model.forward(cache, chunk, start + offset, logits="last" if is_last else "none").logits
-    cache.commit(start + token_ids.shape[0])
-    return last[0]
-
-
-def max_context_of(config, spec: ModelSpec) -> int:
-    """Most positions a request may use: the trained length, or the sliding window if shorter."""
-    window = sliding_window_of(config)
-    return spec.max_position_embeddings if window is None else min(window, spec.max_position_embeddings)
-
-
-def prefill_chunk_for(spec: ModelSpec) -> int:
-    """Prompt rows per prefill forward: as many as the activation budget allows (a power of two)."""
-    rows = PREFILL_ACTIVATION_BUDGET // (2 * spec.intermediate_size)
-    return max(MIN_PREFILL_CHUNK, min(MAX_PREFILL_CHUNK, 1 << max(rows, 1).bit_length() - 1))
+            return fused_attention(q, keys, values, start, mask, self._scale)
+        return ungroup(grouped_attention(group_queries(q[None] * self._scale, self.spec.num_kv_heads), keys, values))

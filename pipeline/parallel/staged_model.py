@@ -34,10 +34,11 @@ from pipeline.errors import ConfigError
 from pipeline.knapspec.knapsack import Frontier, KnapsackProblem, advance, branch_runner
 from pipeline.knapspec.latency import LatencyModel, PipelineLatency
 from pipeline.model import checkpoint
+from pipeline.model.context import check_context, prefill_in_chunks
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.linear import ComputeMode
 from pipeline.model.spec import ModelSpec
-from pipeline.model.sublayer_model import ForwardOutput, SublayerModel, check_context, prefill_in_chunks
+from pipeline.model.sublayer_model import ForwardOutput, SublayerModel
 from pipeline.parallel.layout import LAYER_PREFIX, StageLayout, partition_layers, stage_layouts, stage_tensor_filter
 from pipeline.parallel.tensor_parallel import shard_config, shard_reader
 

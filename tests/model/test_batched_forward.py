@@ -1,0 +1,123 @@
+"""One forward over the rows of several requests: each request's logits and cache as if it
+ran alone. Two guarantees, named where they are checked: a batch of one is the single
+forward bit for bit; inside a larger batch the linears see more rows, and CPU kernels
+round a row differently with the row count (DESIGN.md §4), so logits agree to float
+tolerance and greedy tokens are equal unless the top-2 logits are within 1e-4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.errors import ConfigError, KnapSpecError
+from pipeline.model.linear import fp16w_available
+from pipeline.model.sublayer_model import RequestRows
+from tests.builders import load_tiny, sample_documents
+
+NEAR_TIE = 1e-4
+MODES = ["fp32", *(["fp16w"] if fp16w_available() else [])]
+
+
+def ids(seed: int, length: int) -> torch.Tensor:
+    return torch.randint(3, 96, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def prefilled(model, prompt: torch.Tensor, room: int = 40):
+    cache = model.new_cache(prompt.numel() + room)
+    model.prefill(cache, prompt)
+    return cache
+
+
+def assert_same_greedy(batched: torch.Tensor, alone: torch.Tensor) -> None:
+    """Equal top-1 tokens per row, or, where they differ, a near-tie in the request run alone."""
+    for row, (b, a) in enumerate(zip(batched, alone)):
+        if int(b.argmax()) != int(a.argmax()):
+            top2 = a.topk(2).values
+            assert float(top2[0] - top2[1]) < NEAR_TIE, f"row {row}: a different token without a near-tie"
+
+
+@pytest.mark.parametrize("num_rows", [1, 4, 20])  # decode, verify, a prefill chunk (fused attention)
+def test_a_batch_of_one_is_the_single_forward_bit_for_bit(tiny_checkpoint, num_rows):
+    _, model = load_tiny(tiny_checkpoint)
+    alone, batched = prefilled(model, ids(1, 60)), prefilled(model, ids(1, 60))
+    new = ids(2, num_rows)
+    expected = model.forward(alone, new, alone.length, logits="all").logits
+    (got,) = model.forward_batch([RequestRows(batched, new, batched.length)])
+    assert torch.equal(got, expected)
+    assert torch.equal(batched.keys, alone.keys) and torch.equal(batched.values, alone.values)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_request_in_a_batch_gets_its_own_logits_and_cache(tiny_checkpoint, mode):
+    _, model = load_tiny(tiny_checkpoint, mode)
+    prompts = [ids(10, 37), ids(11, 90), ids(12, 150), ids(13, 1)]
+    rows = [ids(20, 1), ids(21, 4), ids(22, 3), ids(23, 24)]  # decode, two verifies, a prefill chunk
+    alone = [prefilled(model, p) for p in prompts]
+    together = [prefilled(model, p) for p in prompts]
+    expected = [model.forward(c, r, c.length, logits="all").logits for c, r in zip(alone, rows)]
+    got = model.forward_batch([RequestRows(c, r, c.length) for c, r in zip(together, rows)])
+    tolerance = dict(atol=1e-5, rtol=1e-5) if mode == "fp32" else dict(atol=2e-3, rtol=2e-3)
+    for g, e, a, t in zip(got, expected, alone, together):
+        torch.testing.assert_close(g, e, **tolerance)
+        assert_same_greedy(g, e)
+        torch.testing.assert_close(t.keys, a.keys, **tolerance)
+        torch.testing.assert_close(t.values, a.values, **tolerance)
+
+
+def test_the_batch_drafts_with_one_sub_network_and_returns_last_rows(tiny_deep_llama):
+    _, model = load_tiny(tiny_deep_llama)
+    skip = {2, 5, 9}
+    prompts, rows = [ids(30, 50), ids(31, 80)], [ids(40, 1), ids(41, 2)]
+    alone = [prefilled(model, p) for p in prompts]
+    together = [prefilled(model, p) for p in prompts]
+    expected = [model.forward(c, r, c.length, skip=skip, logits="last").logits for c, r in zip(alone, rows)]
+    got = model.forward_batch([RequestRows(c, r, c.length) for c, r in zip(together, rows)], skip=skip, logits="last")
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape == (1, model.spec.vocab_size)
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+    assert model.forward_batch([RequestRows(together[0], rows[0], together[0].length)], logits="none") == [None]
+
+
+def test_bad_batches_are_refused(tiny_llama):
+    _, model = load_tiny(tiny_llama)
+    cache = model.new_cache(8)
+    with pytest.raises(ConfigError, match="at least one request"):
+        model.forward_batch([])
+    with pytest.raises(ConfigError, match="logits"):
+        model.forward_batch([RequestRows(cache, ids(1, 2), 0)], logits="first")
+    with pytest.raises(KnapSpecError, match="overflow"):
+        model.forward_batch([RequestRows(cache, ids(1, 2), 0), RequestRows(model.new_cache(4), ids(2, 6), 0)])
+
+
+@pytest.mark.slow
+def test_real_documents_decoded_in_a_batch_keep_their_greedy_tokens():
+    """SmolLM2 in the CPU default mode: three documents' prompts, twelve greedy steps each,
+    one batched forward per step against each request decoded alone."""
+    from pipeline.engine import Engine, EngineConfig
+    from pipeline.summarization.prompts import build_prompt
+
+    engine = Engine(EngineConfig())
+    model, steps = engine.model, 12
+    docs = sample_documents()[:3]
+    prompts = [build_prompt(engine.tokenizer, d["text"], max_prompt_tokens=n).token_ids for d, n in zip(docs, (300, 700, 500))]
+
+    def greedy_alone(prompt):
+        cache = model.new_cache(prompt.numel() + steps)
+        logits = [model.prefill(cache, prompt)]
+        for _ in range(steps - 1):
+            token = logits[-1].argmax().view(1)
+            logits.append(model.forward(cache, token, cache.length, logits="last").logits[0])
+            cache.advance(1)
+        return torch.stack(logits)
+
+    alone = [greedy_alone(p) for p in prompts]
+    caches = [model.new_cache(p.numel() + steps) for p in prompts]
+    batched = [[model.prefill(c, p)] for c, p in zip(caches, prompts)]
+    for _ in range(steps - 1):
+        # The next token of each request is its own run's, so the comparison stays row by row.
+        blocks = [RequestRows(c, a[len(b) - 1].argmax().view(1), c.length) for c, a, b in zip(caches, alone, batched)]
+        for out, history, cache in zip(model.forward_batch(blocks, logits="last"), batched, caches):
+            history.append(out[0])
+            cache.advance(1)
+    for got, expected in zip(batched, alone):
+        assert_same_greedy(torch.stack(got), expected)
