@@ -7,16 +7,17 @@ nothing, so every strategy shares one verification and acceptance path.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.decoding.drafters import Drafter, DraftRequest, NoDraft
+from pipeline.decoding.drafters import Draft, Drafter, DraftRequest, NoDraft
 from pipeline.decoding.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
 from pipeline.decoding.stats import GenerationStats
 from pipeline.errors import ConfigError
 from pipeline.model.kv_cache import KVCache
-from pipeline.model.sublayer_model import SublayerModel
+from pipeline.model.sublayer_model import RequestRows, SublayerModel
 
 
 @dataclass(frozen=True)
@@ -76,47 +77,100 @@ def decode(
 
     `prompt_ids` is what drafters that copy from the context (prompt lookup) read.
     """
-    drafter = drafter or NoDraft()
-    generator = params.generator()
-    cache = prefilled.cache
-    stats = GenerationStats(prompt_tokens=prefilled.prompt_tokens, prefill_s=prefilled.seconds)
-    t0 = time.perf_counter()
+    request = DecodingRequest(prefilled, config, params, drafter, prompt_ids)
+    while request.running:
+        draft = request.propose(model)
+        logits = model.forward(request.cache, request.verify_ids(draft, model.device), request.cache.length).logits
+        request.accept(draft, logits)
+    return request.result()
 
-    pending = _choose(prefilled.logits, params, generator)  # its KV is not in the cache yet
-    output = [pending]
-    history = list(prompt_ids or []) + output  # prompt + emitted, kept in step with `output`
-    while len(output) < config.max_new_tokens and pending not in config.eos_token_ids:
+
+def decode_batch(model: SublayerModel, requests: Sequence[DecodingRequest]) -> list[GenerationResult]:
+    """Decode several prefilled requests together. Each step every running request proposes
+    its own draft (of its own length, or none), one forward verifies all of them — the
+    linears once over all rows, attention per request — and each accepts by its own rule,
+    so a request's tokens are those it would decode alone (up to the batch's rounding: a
+    different token only where its top-2 logits nearly tie). A request leaves at EOS or its
+    limit; the others go on."""
+    while running := [request for request in requests if request.running]:
+        drafts = [request.propose(model) for request in running]
+        blocks = [RequestRows(r.cache, r.verify_ids(d, model.device), r.cache.length) for r, d in zip(running, drafts)]
+        for request, draft, logits in zip(running, drafts, model.forward_batch(blocks, logits="all")):
+            request.accept(draft, logits)
+    return [request.result() for request in requests]
+
+
+class DecodingRequest:
+    """One request's decoding state: what it emitted, its drafter, its statistics. The loops
+    above drive it: propose a draft, verify it in a forward, accept."""
+
+    def __init__(
+        self,
+        prefilled: Prefilled,
+        config: DecodeConfig,
+        params: SamplingParams,
+        drafter: Drafter | None = None,
+        prompt_ids: list[int] | None = None,
+    ) -> None:
+        self.cache = prefilled.cache
+        self.config, self.params = config, params
+        self.drafter = drafter or NoDraft()
+        self.generator = params.generator()
+        self.stats = GenerationStats(prompt_tokens=prefilled.prompt_tokens, prefill_s=prefilled.seconds)
+        self._t0 = time.perf_counter()
+        self.pending = _choose(prefilled.logits, params, self.generator)  # its KV is not in the cache yet
+        self.output = [self.pending]
+        self.history = list(prompt_ids or []) + self.output  # prompt + emitted, kept in step with `output`
+        self.running = True
+        self._check_done()
+
+
+    def propose(self, model: SublayerModel) -> Draft:
         # Drafting past the token limit is wasted: the verify step emits one token more than it drafts.
-        room = config.max_new_tokens - len(output) - 1
-        draft = drafter.propose(
-            DraftRequest(model, cache, history, room, params, generator, config.eos_token_ids)
+        room = self.config.max_new_tokens - len(self.output) - 1
+        request = DraftRequest(
+            model, self.cache, self.history, room, self.params, self.generator, self.config.eos_token_ids
         )
-        inputs = torch.tensor([pending, *draft.token_ids], device=model.device)
-        logits = model.forward(cache, inputs, cache.length, logits="all").logits  # [1 + n, V]
-        if params.greedy:
+        return self.drafter.propose(request)
+
+    def verify_ids(self, draft: Draft, device: torch.device) -> torch.Tensor:
+        """The rows a verify forward runs: the pending token and the draft [1 + n]."""
+        return torch.tensor([self.pending, *draft.token_ids], device=device)
+
+    def accept(self, draft: Draft, logits: torch.Tensor) -> None:
+        """Accept from the verify forward's logits [1 + n, V]: the longest matching prefix and the
+        model's own next token (greedy), or speculative rejection sampling."""
+        if self.params.greedy:
             emitted = accept_greedy(draft.token_ids, logits)
         else:
-            emitted = accept_sampled(draft.token_ids, draft.probs, probabilities(logits, params), generator)
+            emitted = accept_sampled(draft.token_ids, draft.probs, probabilities(logits, self.params), self.generator)
         num_accepted = len(emitted) - 1
-        drafter.observe(len(draft.token_ids), num_accepted)
+        self.drafter.observe(len(draft.token_ids), num_accepted)
         # The verify forward wrote exact K/V for pending + the accepted drafts.
-        cache.advance(1 + num_accepted)
-        stats.steps += 1
-        stats.drafted_tokens += len(draft.token_ids)
-        stats.accepted_tokens += num_accepted
+        self.cache.advance(1 + num_accepted)
+        self.stats.steps += 1
+        self.stats.drafted_tokens += len(draft.token_ids)
+        self.stats.accepted_tokens += num_accepted
         for token in emitted:
-            output.append(token)
-            history.append(token)
-            if token in config.eos_token_ids or len(output) >= config.max_new_tokens:
+            self.output.append(token)
+            self.history.append(token)
+            if token in self.config.eos_token_ids or len(self.output) >= self.config.max_new_tokens:
                 break
-        pending = output[-1]
+        self.pending = self.output[-1]
+        self._check_done()
 
-    stats.decode_s = time.perf_counter() - t0
-    stats.output_tokens = len(output)
-    finish = "eos" if output[-1] in config.eos_token_ids else "length"
-    # Searching drafters report their own numbers (search time, plans chosen).
-    extra = drafter.summary() if hasattr(drafter, "summary") else {}
-    return GenerationResult(token_ids=output, stats=stats, finish_reason=finish, extra=extra)
+    def result(self) -> GenerationResult:
+        finish = "eos" if self.output[-1] in self.config.eos_token_ids else "length"
+        # Searching drafters report their own numbers (search time, plans chosen).
+        extra = self.drafter.summary() if hasattr(self.drafter, "summary") else {}
+        return GenerationResult(token_ids=self.output, stats=self.stats, finish_reason=finish, extra=extra)
+
+    def _check_done(self) -> None:
+        if len(self.output) >= self.config.max_new_tokens or self.pending in self.config.eos_token_ids:
+            # In a batch, a request's decode time is the time it spent in the batch.
+            self.running = False
+            self.stats.decode_s = time.perf_counter() - self._t0
+            self.stats.output_tokens = len(self.output)
 
 
 def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

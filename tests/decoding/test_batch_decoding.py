@@ -1,0 +1,149 @@
+"""Several requests decoded together (decode_batch): each with its own prompt length, limit,
+drafter and sampling, one verify forward per step. A request's greedy tokens equal its
+tokens decoded alone with `ar`; where a batched kernel rounds a row differently
+(DESIGN.md §4), a differing token is allowed only at a top-2 logit gap under 1e-4 of the
+request alone, and the test says so. Speculative sampling in a batch stays exact (χ²)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.decoding.drafters import LayerSkipDrafter, NoDraft
+from pipeline.decoding.loop import DecodeConfig, DecodingRequest, decode, decode_batch, prefill
+from pipeline.decoding.prompt_lookup import PromptLookupDrafter
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.knapspec.drafter import KnapSpecDrafter
+from pipeline.model.linear import fp16w_available
+from tests.builders import SEARCH_CONFIG, chi_square_p_value, exact_joint_law, load_tiny, synthetic_latency
+
+NEAR_TIE = 1e-4
+EOS = frozenset({2})
+
+
+def prompt_ids(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(3, 96, (8,), generator=g)  # repeated, so that prompt lookup finds copies
+    return torch.cat([torch.randint(3, 96, (n,), generator=g), phrase, torch.randint(3, 96, (4,), generator=g), phrase])
+
+
+def assert_same_or_near_tie(model, prompt: torch.Tensor, got: list[int], expected: list[int]) -> None:
+    """Equal tokens, or a first difference where the request alone had nearly tied top-2 logits."""
+    if got == expected:
+        return
+    first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+    assert first < min(len(got), len(expected)), f"one stopped early: {len(got)} vs {len(expected)} tokens"
+    cache = model.new_cache(prompt.numel() + first + 1)
+    logits = model.prefill(cache, torch.cat([prompt, torch.tensor(expected[:first], dtype=torch.long)]))
+    top2 = logits.topk(2).values
+    gap = float(top2[0] - top2[1])
+    assert gap < NEAR_TIE, f"token {first} differs in the batch without a near-tie (top-2 gap {gap:.2e})"
+
+
+def drafters(model):
+    """A mix of what requests bring into one batch: none, copies, a fixed skip set, KnapSpec."""
+    items = model.spec.num_items
+    return [
+        NoDraft(),
+        PromptLookupDrafter(),
+        LayerSkipDrafter([2, 3], items, max_draft=3, confidence_threshold=0.0),
+        KnapSpecDrafter(synthetic_latency(model.spec.num_layers, verify_growth=0.0), SEARCH_CONFIG),
+        PromptLookupDrafter(),
+    ]
+
+
+@pytest.mark.parametrize("mode", ["fp32", *(["fp16w"] if fp16w_available() else [])])
+def test_greedy_tokens_in_a_batch_equal_each_request_alone(tiny_checkpoint, mode):
+    _, model = load_tiny(tiny_checkpoint, mode)
+    prompts = [prompt_ids(n, seed) for seed, n in enumerate((5, 40, 90, 23, 60))]
+    limits = [30, 12, 25, 1, 18]  # one request has nothing to decode after its first token
+    expected = [
+        decode(model, prefill(model, p, m), DecodeConfig(m, EOS), SamplingParams(), NoDraft()).token_ids
+        for p, m in zip(prompts, limits)
+    ]
+    requests = [
+        DecodingRequest(prefill(model, p, m), DecodeConfig(m, EOS), SamplingParams(), d, p.tolist())
+        for p, m, d in zip(prompts, limits, drafters(model))
+    ]
+    results = decode_batch(model, requests)
+    for prompt, result, reference in zip(prompts, results, expected):
+        assert_same_or_near_tie(model, prompt, result.token_ids, reference)
+    assert sum(r.stats.drafted_tokens for r in results) > 0, "the batch must carry drafts"
+    assert results[0].stats.drafted_tokens == 0 and results[3].stats.steps == 0
+    for result, limit in zip(results, limits):
+        assert result.stats.output_tokens == len(result.token_ids) <= limit
+        assert result.stats.steps >= 1 or limit == 1
+
+
+def test_a_batch_of_one_is_decode(tiny_deep_llama):
+    _, model = load_tiny(tiny_deep_llama)
+    prompt = prompt_ids(30, 7)
+    drafter = lambda: LayerSkipDrafter([4, 5], model.spec.num_items, max_draft=3, confidence_threshold=0.0)  # noqa: E731
+    alone = decode(model, prefill(model, prompt, 20), DecodeConfig(20), SamplingParams(), drafter())
+    (batched,) = decode_batch(
+        model, [DecodingRequest(prefill(model, prompt, 20), DecodeConfig(20), SamplingParams(), drafter())]
+    )
+    assert batched.token_ids == alone.token_ids
+    assert (batched.stats.steps, batched.stats.drafted_tokens, batched.stats.accepted_tokens) == (
+        alone.stats.steps,
+        alone.stats.drafted_tokens,
+        alone.stats.accepted_tokens,
+    )
+
+
+def test_speculative_sampling_in_a_batch_matches_the_model_distribution(tiny_llama):
+    """χ² of (t1, t2, t3) of one prompt sampled by six requests per batch, each with its own
+    seed and draft, against the exact joint law of plain sampling."""
+    _, model = load_tiny(tiny_llama)
+    prompt = prompt_ids(4, seed=5)
+    base = dict(temperature=1.0, top_k=4)
+    exact = exact_joint_law(model, prompt, SamplingParams(**base))
+    prefilled = prefill(model, prompt, 3)
+    counts: dict[tuple[int, ...], int] = {}
+    drafted = accepted = 0
+    num_batches, batch = 500, 6
+    for b in range(num_batches):
+        requests = [
+            DecodingRequest(
+                prefilled.copy(),
+                DecodeConfig(max_new_tokens=3),
+                SamplingParams(**base, seed=b * batch + i),
+                LayerSkipDrafter([1, 2, 5], model.spec.num_items, max_draft=1 + i % 2, confidence_threshold=0.0),
+            )
+            for i in range(batch)
+        ]
+        for result in decode_batch(model, requests):
+            key = tuple(result.token_ids)
+            counts[key] = counts.get(key, 0) + 1
+            drafted += result.stats.drafted_tokens
+            accepted += result.stats.accepted_tokens
+    assert set(counts) <= set(exact), "sampled a sequence the model gives zero probability"
+    assert 0.05 < accepted / drafted < 0.95, "the test must exercise both acceptance and rejection"
+    p_value = chi_square_p_value(counts, exact, num_batches * batch)
+    assert p_value > 1e-3, f"batched speculative samples do not follow the model (p = {p_value:.2e})"
+
+
+@pytest.mark.slow
+def test_real_documents_decoded_together_keep_their_tokens():
+    """SmolLM2 in the CPU default mode, four sample documents of different lengths decoded in one
+    batch, plain and with prompt lookup, against each decoded alone with `ar`."""
+    from pipeline.engine import Engine, EngineConfig
+    from pipeline.summarization.prompts import build_prompt
+    from tests.builders import sample_documents
+
+    engine = Engine(EngineConfig())
+    model, config = engine.model, DecodeConfig(24, engine.eos_token_ids)
+    docs = sample_documents()[:4]
+    prompts = [
+        build_prompt(engine.tokenizer, d["text"], max_prompt_tokens=n).token_ids
+        for d, n in zip(docs, (400, 900, 250, 600))
+    ]
+    expected = [decode(model, prefill(model, p, 24), config, SamplingParams()).token_ids for p in prompts]
+    requests = [
+        DecodingRequest(
+            prefill(model, p, 24), config, SamplingParams(), PromptLookupDrafter() if i % 2 else None, p.tolist()
+        )
+        for i, p in enumerate(prompts)
+    ]
+    for prompt, result, reference in zip(prompts, decode_batch(model, requests), expected):
+        assert_same_or_near_tie(model, prompt, result.token_ids, reference)
