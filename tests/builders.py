@@ -119,6 +119,27 @@ def chi_square_p_value(counts: dict, exact: dict, num_samples: int) -> float:
     return chisquare(observed, [e * scale for e in expected]).pvalue
 
 
+class SampleTally:
+    """Sequences drawn by speculative sampling, with how much was drafted and accepted."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[int, ...], int] = {}
+        self.drafted = self.accepted = 0
+
+    def add(self, result) -> None:
+        key = tuple(result.token_ids)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.drafted += result.stats.drafted_tokens
+        self.accepted += result.stats.accepted_tokens
+
+    def assert_follows(self, exact: dict) -> None:
+        """The samples fit the exact law (χ²), and drafts were both accepted and rejected."""
+        assert set(self.counts) <= set(exact), "sampled a sequence the model gives zero probability"
+        assert 0.05 < self.accepted / self.drafted < 0.95, "the test must exercise both acceptance and rejection"
+        p_value = chi_square_p_value(self.counts, exact, sum(self.counts.values()))
+        assert p_value > 1e-3, f"speculative samples do not follow the model (p = {p_value:.2e})"
+
+
 def exact_joint_law(model, prompt: torch.Tensor, params) -> dict[tuple[int, int, int], float]:
     """P(t1, t2, t3) of plain sampling after `prompt`, over every sequence of nonzero probability."""
     from pipeline.decoding.sampling import probabilities
