@@ -62,7 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--model", help=f"a local Hugging Face checkpoint folder (default: the embedded {checkpoint.EMBEDDED_MODEL})"
     )
-    parser.add_argument("--strategy", default="ar", choices=STRATEGIES, help="decoding strategy (default: ar)")
+    parser.add_argument(
+        "--strategy",
+        default="ar",
+        choices=STRATEGIES,
+        help="decoding strategy (default: ar): " + "; ".join(f"{n}: {s.description}" for n, s in REGISTRY.items()),
+    )
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument(
         "--max-context",
@@ -250,7 +255,10 @@ def run(args: argparse.Namespace) -> dict:
 
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
     sharded = args.pipeline_parallel > 1 or args.tensor_parallel > 1
-    engine = _sharded_engine(args, config) if sharded else Engine(config, calibrator=store_calibrator(config.calibration_dir))
+    if sharded:
+        engine = _sharded_engine(args, config)
+    else:
+        engine = Engine(config, calibrator=store_calibrator(config.calibration_dir))
     engine.drafter(strategy)  # checks --skip against the model's items before any prefill
 
     # Room for the answer is reserved whatever the strategy, so every strategy sees

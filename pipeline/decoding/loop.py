@@ -124,7 +124,6 @@ class DecodingRequest:
         self.running = True
         self._check_done()
 
-
     def propose(self, model: SublayerModel) -> Draft:
         # Drafting past the token limit is wasted: the verify step emits one token more than it drafts.
         room = self.config.max_new_tokens - len(self.output) - 1

@@ -35,13 +35,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def prefill_mask(num_tokens: int, start: int, device: torch.device) -> torch.Tensor | None:
-    """The mask fused attention needs for a block of queries at [start, start + T): None for the
-    first block (is_causal does it), else [T, start + T], True where attending is allowed."""
+def block_mask(num_tokens: int, start: int, device: torch.device) -> torch.Tensor | None:
+    """The mask a block of queries at [start, start + T) needs, built once per forward.
+
+    Fused attention (long blocks): None for the first block (is_causal does it), else
+    [T, start + T], True where attending is allowed. Grouped attention (short blocks):
+    `later_in_block`, None for a single query.
+    """
+    if num_tokens < FUSED_ATTENTION_MIN_TOKENS:
+        return later_in_block(num_tokens, device)
     if start == 0:
         return None
     positions = torch.arange(start + num_tokens, device=device)
     return positions[None, :] <= (start + torch.arange(num_tokens, device=device))[:, None]
+
+
+def later_in_block(num_tokens: int, device: torch.device) -> torch.Tensor | None:
+    """[T, T], True where a query must not see a later token of its own block; None when T = 1."""
+    if num_tokens == 1:
+        return None
+    return torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=device).triu(1)
 
 
 def fused_attention(
@@ -81,6 +94,7 @@ def grouped_attention(
     values: torch.Tensor,
     own_keys: torch.Tensor | None = None,
     own_values: torch.Tensor | None = None,
+    later: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of T query rows per branch, causal within the block.
 
@@ -88,7 +102,8 @@ def grouped_attention(
     are read by every branch. Without `own_*` the block's own keys are the last T of `keys`
     (decode and verify: the block was written into the cache first); with them
     ([kv_heads, B, T, head_dim]) each branch attends to the shared keys and causally to its
-    own (the DP: the cache is only read). Returns [kv_heads, B, groups, T, head_dim].
+    own (the DP: the cache is only read). `later` (later_in_block) hides each query's later
+    tokens of its block; the caller builds it once per forward. Returns [kv_heads, B, groups, T, head_dim].
     """
     num_kv_heads, num_branches, groups, num_tokens, head_dim = qg.shape
     rows = qg.reshape(num_kv_heads, num_branches * groups * num_tokens, head_dim)
@@ -97,8 +112,7 @@ def grouped_attention(
     if own_keys is not None:
         own_scores = torch.matmul(qg, own_keys.transpose(-1, -2)[:, :, None])  # [kv_heads, B, groups, T, T]
         scores = torch.cat([scores, own_scores], dim=-1)
-    if num_tokens > 1:
-        later = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=qg.device).triu(1)
+    if later is not None:
         scores[..., -num_tokens:].masked_fill_(later, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
     shared_probs = probs[..., :num_shared].reshape(num_kv_heads, -1, num_shared)

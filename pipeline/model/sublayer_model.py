@@ -3,9 +3,9 @@
 An attention item is input norm -> self-attention -> residual add, an MLP item
 post-attention norm -> MLP -> residual add (numbering: `pipeline.model.items`). A skipped
 item is the identity on the residual stream (KnapSpec, Sec. 3), so a draft model is just
-the set of items to skip. One sequence per call: offline summarization runs one
-request per forward, and its KV cache has no batch dimension. The layer math itself
-is in `pipeline.model.layers`.
+the set of items to skip. A forward runs one request over its own KV cache (which has
+no batch dimension); `forward_batch` packs the rows of several requests, each with its
+own cache. The layer math itself is in `pipeline.model.layers`.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from pipeline.model.kv_cache import KVCache
 from pipeline.model.layers import (
     FUSED_ATTENTION_MIN_TOKENS,
     apply_rotary,
+    block_mask,
     fused_attention,
     group_queries,
     grouped_attention,
-    prefill_mask,
+    later_in_block,
     rms_norm,
     ungroup,
 )
@@ -221,10 +222,7 @@ class SublayerModel:
         cos, sin = self._rotary_tables(max(block.start + size for block, size in zip(blocks, sizes)))
         positions = torch.cat([torch.arange(b.start, b.start + n, device=self.device) for b, n in zip(blocks, sizes)])
         cos, sin = cos[positions], sin[positions]  # [M, head_dim]: each row at its own request's position
-        masks = [
-            prefill_mask(n, b.start, self.device) if n >= FUSED_ATTENTION_MIN_TOKENS else None
-            for b, n in zip(blocks, sizes)
-        ]
+        masks = [block_mask(n, b.start, self.device) for b, n in zip(blocks, sizes)]
         h = self.embed[torch.cat([block.token_ids for block in blocks]).to(self.device)]  # [M, d]
         for i, layer in enumerate(self.layers):
             attn_item, mlp_item = items.layer_items(i)
@@ -262,7 +260,7 @@ class SublayerModel:
         cache.check_room(end)
         cos, sin = self._rotary_tables(end)
         cos, sin = cos[start:end], sin[start:end]  # [T, head_dim]
-        mask = prefill_mask(num_tokens, start, self.device) if num_tokens >= FUSED_ATTENTION_MIN_TOKENS else None
+        mask = block_mask(num_tokens, start, self.device)
         hidden = [] if return_hidden else None
         for i, layer in enumerate(self.layers):
             attn_item, mlp_item = items.layer_items(i)
@@ -296,7 +294,7 @@ class SublayerModel:
         end = start + h.shape[0]
         cache.check_room(end)
         cos, sin = self._rotary_tables(end)
-        mask = prefill_mask(h.shape[0], start, self.device) if h.shape[0] >= FUSED_ATTENTION_MIN_TOKENS else None
+        mask = block_mask(h.shape[0], start, self.device)
         return h + self._attention(layer, layer_index, h, cache, start, cos[start:end], sin[start:end], mask)
 
     @torch.inference_mode()
@@ -320,9 +318,8 @@ class SublayerModel:
         prefix_k, prefix_v = cache.view(layer_index, prefix_len)  # [kv_heads, p, head_dim]
         # [kv_heads, B, r, head_dim]: each branch's own keys and values
         own_k, own_v = k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)
-        out = grouped_attention(
-            group_queries(q * self._scale, self.spec.num_kv_heads), prefix_k, prefix_v, own_k, own_v
-        )
+        qg = group_queries(q * self._scale, self.spec.num_kv_heads)
+        out = grouped_attention(qg, prefix_k, prefix_v, own_k, own_v, later_in_block(num_tokens, h.device))
         return (flat + self._reduced(layer.o(ungroup(out)))).view_as(h)
 
     @property
@@ -379,7 +376,7 @@ class SublayerModel:
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """Attention of tokens at [start, start + T) after writing their keys/values into the cache;
-        `mask` is fused attention's (prefill_mask), unused by short blocks."""
+        `mask` is the block's (block_mask), built once per forward."""
         q, k, v = self._qkv(layer, h, 1, h.shape[0], cos, sin)
         return self._reduced(layer.o(self._attend(index, q[0], k[0], v[0], cache, start, mask)))
 
@@ -400,4 +397,5 @@ class SublayerModel:
         keys, values = cache.view(index, start + num_tokens)  # [kv_heads, n, head_dim]
         if num_tokens >= FUSED_ATTENTION_MIN_TOKENS:
             return fused_attention(q, keys, values, start, mask, self._scale)
-        return ungroup(grouped_attention(group_queries(q[None] * self._scale, self.spec.num_kv_heads), keys, values))
+        qg = group_queries(q[None] * self._scale, self.spec.num_kv_heads)
+        return ungroup(grouped_attention(qg, keys, values, later=mask))
