@@ -8,17 +8,18 @@ baselines, and transformers' `generate()` as the outside reference.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pipeline.decoding.drafters import DEFAULT_MAX_DRAFT, Drafter, LayerSkipDrafter, NoDraft, default_static_skip
-from pipeline.decoding.hf_reference import prepare_hf_model, run_hf_generate
+from pipeline.decoding.hf_reference import HFRun, prepare_hf_model, run_hf_generate, run_hf_generate_batch
 from pipeline.decoding.loop import DecodeConfig, GenerationResult, Prefilled, decode, prefill
 from pipeline.decoding.prompt_lookup import DEFAULT_LOOKUP_MAX_DRAFT, DEFAULT_MAX_NGRAM, PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest
 from pipeline.decoding.stats import GenerationStats
 from pipeline.errors import ConfigError
 from pipeline.knapspec.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter
@@ -123,6 +124,8 @@ class EngineConfig:
     latency: LatencyModel | None = None
     # Where calibrations are stored; read by whoever builds the engine's calibrator.
     calibration_dir: Path | None = None
+    # What a batch's KV caches may take together; None: `max_batch` caches at the whole context.
+    kv_cache_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,47 @@ class Engine:
     def prefill(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> Prefilled:
         return prefill(self.model, prompt_ids, max_new_tokens)
 
+    def request(
+        self,
+        prompt_ids: torch.Tensor,
+        strategy: StrategyConfig,
+        max_new_tokens: int,
+        params: SamplingParams = SamplingParams(),
+    ) -> GenerationRequest:
+        """One request for a batch, with its own drafter of `strategy`."""
+        self._check_context(prompt_ids, max_new_tokens)
+        if REGISTRY[strategy.name].build is None:
+            raise ConfigError(f"strategy {strategy.name!r} is transformers' generate(): it batches by itself")
+        config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids)
+        return GenerationRequest(prompt_ids, config, params, self.drafter(strategy))
+
+    def batcher(self, max_batch: int) -> ContinuousBatcher:
+        """A continuous batcher over this engine's model (`submit` the engine's `request`s)."""
+        return ContinuousBatcher(self.model, max_batch, self.config.kv_cache_bytes)
+
+    def generate_batch(
+        self,
+        prompts: Sequence[torch.Tensor],
+        strategy: StrategyConfig,
+        max_new_tokens: int,
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        max_batch: int = 8,
+    ) -> list[GenerationResult]:
+        """Generate for every prompt, up to `max_batch` at a time (continuous batching; for `hf`,
+        left-padded generate() batches). Results in the prompts' order; the first failure raises."""
+        per_request = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_request) != len(prompts):
+            raise ConfigError(f"{len(prompts)} prompts but {len(per_request)} sampling settings")
+        if REGISTRY[strategy.name].build is None:
+            return self._generate_hf_batches(prompts, strategy, max_new_tokens, per_request, max_batch)
+        batcher = self.batcher(max_batch)
+        tickets = [batcher.submit(self.request(p, strategy, max_new_tokens, q)) for p, q in zip(prompts, per_request)]
+        done = {finished.ticket: finished for finished in batcher.run()}
+        for ticket in tickets:
+            if done[ticket].error is not None:
+                raise done[ticket].error
+        return [done[ticket].result for ticket in tickets]
+
     def generate(
         self,
         prompt_ids: torch.Tensor,
@@ -216,17 +260,44 @@ class Engine:
     ) -> GenerationResult:
         """Generate after `prompt_ids` (1-D). `prefilled` reuses a prefilled cache (consumed)."""
         config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids)
-        if prompt_ids.numel() + max_new_tokens > self.model.max_context:
-            raise ConfigError(
-                f"{prompt_ids.numel()} prompt tokens + {max_new_tokens} new tokens exceed this model's "
-                f"{self.model.max_context}-token context; shorten the prompt or lower max_new_tokens"
-            )
+        self._check_context(prompt_ids, max_new_tokens)
         if REGISTRY[strategy.name].build is None:
             return self._generate_hf(prompt_ids, config, params, strategy)
         drafter = self.drafter(strategy)
         if prefilled is None:
             prefilled = self.prefill(prompt_ids, max_new_tokens)
         return decode(self.model, prefilled, config, params, drafter, prompt_ids.tolist())
+
+    def _check_context(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> None:
+        if prompt_ids.numel() + max_new_tokens > self.model.max_context:
+            raise ConfigError(
+                f"{prompt_ids.numel()} prompt tokens + {max_new_tokens} new tokens exceed this model's "
+                f"{self.model.max_context}-token context; shorten the prompt or lower max_new_tokens"
+            )
+
+    def _generate_hf_batches(
+        self,
+        prompts: Sequence[torch.Tensor],
+        strategy: StrategyConfig,
+        max_new_tokens: int,
+        params: list[SamplingParams],
+        max_batch: int,
+    ) -> list[GenerationResult]:
+        if strategy.name != "hf" or max_batch == 1:
+            # transformers' prompt lookup takes one sequence at a time.
+            return [self.generate(p, strategy, max_new_tokens, q) for p, q in zip(prompts, params)]
+        if any(q != params[0] for q in params):
+            raise ConfigError("a generate() batch samples with one setting for all its prompts")
+        for prompt in prompts:
+            self._check_context(prompt, max_new_tokens)
+        results = []
+        for at in range(0, len(prompts), max_batch):
+            batch = prompts[at : at + max_batch]
+            runs = run_hf_generate_batch(
+                self.hf_model, batch, max_new_tokens, self.eos_token_ids, params[0], self.tokenizer.pad_token_id
+            )
+            results += [self._hf_result(prompt, run) for prompt, run in zip(batch, runs)]
+        return results
 
     def _generate_hf(
         self, prompt_ids: torch.Tensor, config: DecodeConfig, params: SamplingParams, strategy: StrategyConfig
@@ -242,18 +313,22 @@ class Engine:
             prompt_lookup_num_tokens=strategy.max_draft if lookup else None,
             max_matching_ngram_size=DEFAULT_MAX_NGRAM if lookup else None,
         )
+        return self._hf_result(prompt_ids, run)
+
+    def _hf_result(self, prompt_ids: torch.Tensor, run: HFRun) -> GenerationResult:
         token_ids = run.token_ids
         # generate() does not say how many tokens it drafted, only how many forwards it
-        # ran; tokens beyond one per forward were accepted drafts.
+        # ran; tokens beyond one per forward were accepted drafts. In a batch the forwards
+        # are the batch's: a request that ended early ran fewer.
         stats = GenerationStats(
             prompt_tokens=prompt_ids.numel(),
             output_tokens=len(token_ids),
-            steps=run.num_forwards,
+            steps=min(run.num_forwards, max(len(token_ids) - 1, 0)),
             accepted_tokens=max(len(token_ids) - 1 - run.num_forwards, 0),
             prefill_s=run.prefill_s,
             decode_s=run.decode_s,
         )
-        finish = "eos" if token_ids and token_ids[-1] in config.eos_token_ids else "length"
+        finish = "eos" if token_ids and token_ids[-1] in self.eos_token_ids else "length"
         return GenerationResult(token_ids=token_ids, stats=stats, finish_reason=finish)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -81,12 +81,47 @@ def run_hf_generate(
         prompt_lookup_num_tokens=prompt_lookup_num_tokens,
         max_matching_ngram_size=max_matching_ngram_size,
     )
+    return _generate(model, [prompt_ids], generation_config, params)[0]
+
+
+def run_hf_generate_batch(
+    model,
+    prompts: Sequence[torch.Tensor],
+    max_new_tokens: int,
+    eos_token_ids: Collection[int],
+    params: SamplingParams,
+    pad_token_id: int | None,
+) -> list[HFRun]:
+    """`generate()` over a left-padded batch, as a transformers user batches: one run per prompt,
+    its tokens up to its first EOS; the batch's prefill and decode seconds are each run's."""
+    from transformers import GenerationConfig
+
+    generation_config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=not params.greedy,
+        temperature=params.temperature if not params.greedy else None,
+        top_p=params.top_p if not params.greedy else None,
+        top_k=params.top_k if not params.greedy else None,
+        eos_token_id=sorted(eos_token_ids),
+        pad_token_id=pad_token_id if pad_token_id is not None else min(eos_token_ids, default=0),
+        num_beams=1,
+    )
+    return _generate(model, prompts, generation_config, params)
+
+
+def _generate(model, prompts: Sequence[torch.Tensor], generation_config, params: SamplingParams) -> list[HFRun]:
     if not params.greedy and params.seed is not None:
         torch.manual_seed(params.seed)
-    input_ids = prompt_ids[None].to(model.device)
-    # The prompt's own <|im_end|> tokens equal the pad id in chat models: an explicit
-    # all-ones mask stops generate() from masking them out.
-    attention_mask = torch.ones_like(input_ids)
+    width = max(p.numel() for p in prompts)
+    pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else 0
+    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    # The prompt's own <|im_end|> tokens equal the pad id in chat models: an explicit mask
+    # (ones over each prompt, zeros over its left padding) stops generate() from masking them out.
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - prompt.numel() :] = prompt
+        attention_mask[row, width - prompt.numel() :] = 1
+    input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
     clock = _FirstTokenClock()
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -97,4 +132,10 @@ def run_hf_generate(
     first = clock.first_token_at or t1
     # Calls: the prompt, then one per forward; the first forward is the prefill.
     num_forwards = max(clock.calls - 2, 0)
-    return HFRun(out[0, input_ids.shape[1] :].tolist(), first - t0, t1 - first, num_forwards)
+    eos = set(generation_config.eos_token_id or ())
+    runs = []
+    for row in out[:, width:].tolist():
+        # A finished row is padded to the batch's length: its tokens end at its first EOS.
+        end = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
+        runs.append(HFRun(row[:end], first - t0, t1 - first, num_forwards))
+    return runs

@@ -51,11 +51,13 @@ class LayerWeights:
 @dataclass(frozen=True)
 class RequestRows:
     """One request's rows in a batched forward: `token_ids` [T] at positions [start, start + T)
-    of its own cache (T = 1 to decode, 1 + γ to verify, a chunk to prefill)."""
+    of its own cache (T = 1 to decode, 1 + γ to verify, a chunk to prefill). `logits`: which of
+    its rows need logits ("all", "last", "none"); None takes the forward's choice."""
 
     cache: KVCache
     token_ids: torch.Tensor
     start: int
+    logits: str | None = None
 
 
 @dataclass
@@ -209,12 +211,16 @@ class SublayerModel:
         """One forward over the rows of several requests: every linear runs once over all rows,
         attention per request over its own cache (into which its keys/values go), so a request's
         result does not depend on the others' values. `skip` is the batch's one sub-network.
-        Per request: logits for each of its rows ("all"), its last row ("last"), or None ("none").
+        Per request: logits for each of its rows ("all"), its last row ("last"), or None ("none"),
+        as its `RequestRows.logits` says, else as `logits` does (a prefill chunk rides along with
+        decode rows and needs none but its last).
         """
         if not blocks:
             raise ConfigError("a batched forward needs at least one request")
-        if logits not in ("all", "last", "none"):
-            raise ConfigError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
+        wanted = [block.logits or logits for block in blocks]
+        for choice in wanted:
+            if choice not in ("all", "last", "none"):
+                raise ConfigError(f"logits must be 'all', 'last' or 'none', got {choice!r}")
         sizes = [block.token_ids.shape[0] for block in blocks]
         offsets = [0, *itertools.accumulate(sizes)]
         for block, size in zip(blocks, sizes):
@@ -237,12 +243,21 @@ class SublayerModel:
                 h = h + self._reduced(layer.o(out))
             if mlp_item not in skip:
                 h = h + self._mlp(layer, h)
-        if logits == "none":
-            return [None] * len(blocks)
-        if logits == "last":
-            last = torch.tensor([end - 1 for end in offsets[1:]], device=self.device)
-            return list(self.logits(h[last]).split(1))
-        return list(self.logits(h).split(sizes))
+        return self._batch_logits(h, wanted, offsets)
+
+    def _batch_logits(self, h: torch.Tensor, wanted: list[str], offsets: list[int]) -> list[torch.Tensor | None]:
+        """The LM head once over the rows that need logits, split back per request."""
+        if all(choice == "all" for choice in wanted):
+            return list(self.logits(h).split([e - a for a, e in zip(offsets, offsets[1:])]))
+        rows = [
+            range(a, e) if choice == "all" else range(e - 1, e) if choice == "last" else range(0)
+            for choice, a, e in zip(wanted, offsets, offsets[1:])
+        ]
+        if not any(rows):
+            return [None] * len(wanted)
+        index = torch.tensor([row for block in rows for row in block], device=self.device)
+        parts = iter(self.logits(h[index]).split([len(block) for block in rows if block]))
+        return [next(parts) if block else None for block in rows]
 
     @torch.inference_mode()
     def run_layers(

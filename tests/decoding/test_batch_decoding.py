@@ -7,55 +7,28 @@ request alone, and the test says so. Speculative sampling in a batch stays exact
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pipeline.decoding.drafters import LayerSkipDrafter, NoDraft
 from pipeline.decoding.loop import DecodeConfig, DecodingRequest, decode, decode_batch, prefill
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
-from pipeline.knapspec.drafter import KnapSpecDrafter
 from pipeline.model.linear import fp16w_available
-from tests.builders import SEARCH_CONFIG, SampleTally, exact_joint_law, load_tiny, synthetic_latency
+from tests.builders import (
+    SampleTally,
+    assert_same_or_near_tie,
+    exact_joint_law,
+    load_tiny,
+    mixed_drafters,
+    repeating_prompt,
+)
 
-NEAR_TIE = 1e-4
 EOS = frozenset({2})
-
-
-def prompt_ids(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    phrase = torch.randint(3, 96, (8,), generator=g)  # repeated, so that prompt lookup finds copies
-    return torch.cat([torch.randint(3, 96, (n,), generator=g), phrase, torch.randint(3, 96, (4,), generator=g), phrase])
-
-
-def assert_same_or_near_tie(model, prompt: torch.Tensor, got: list[int], expected: list[int]) -> None:
-    """Equal tokens, or a first difference where the request alone had nearly tied top-2 logits."""
-    if got == expected:
-        return
-    first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-    assert first < min(len(got), len(expected)), f"one stopped early: {len(got)} vs {len(expected)} tokens"
-    cache = model.new_cache(prompt.numel() + first + 1)
-    logits = model.prefill(cache, torch.cat([prompt, torch.tensor(expected[:first], dtype=torch.long)]))
-    top2 = logits.topk(2).values
-    gap = float(top2[0] - top2[1])
-    assert gap < NEAR_TIE, f"token {first} differs in the batch without a near-tie (top-2 gap {gap:.2e})"
-
-
-def drafters(model):
-    """A mix of what requests bring into one batch: none, copies, a fixed skip set, KnapSpec."""
-    items = model.spec.num_items
-    return [
-        NoDraft(),
-        PromptLookupDrafter(),
-        LayerSkipDrafter([2, 3], items, max_draft=3, confidence_threshold=0.0),
-        KnapSpecDrafter(synthetic_latency(model.spec.num_layers, verify_growth=0.0), SEARCH_CONFIG),
-        PromptLookupDrafter(),
-    ]
 
 
 @pytest.mark.parametrize("mode", ["fp32", *(["fp16w"] if fp16w_available() else [])])
 def test_greedy_tokens_in_a_batch_equal_each_request_alone(tiny_checkpoint, mode):
     _, model = load_tiny(tiny_checkpoint, mode)
-    prompts = [prompt_ids(n, seed) for seed, n in enumerate((5, 40, 90, 23, 60))]
+    prompts = [repeating_prompt(n, seed) for seed, n in enumerate((5, 40, 90, 23, 60))]
     limits = [30, 12, 25, 1, 18]  # one request has nothing to decode after its first token
     expected = [
         decode(model, prefill(model, p, m), DecodeConfig(m, EOS), SamplingParams(), NoDraft()).token_ids
@@ -63,7 +36,7 @@ def test_greedy_tokens_in_a_batch_equal_each_request_alone(tiny_checkpoint, mode
     ]
     requests = [
         DecodingRequest(prefill(model, p, m), DecodeConfig(m, EOS), SamplingParams(), d, p.tolist())
-        for p, m, d in zip(prompts, limits, drafters(model))
+        for p, m, d in zip(prompts, limits, mixed_drafters(model))
     ]
     results = decode_batch(model, requests)
     for prompt, result, reference in zip(prompts, results, expected):
@@ -77,7 +50,7 @@ def test_greedy_tokens_in_a_batch_equal_each_request_alone(tiny_checkpoint, mode
 
 def test_a_batch_of_one_is_decode(tiny_deep_llama):
     _, model = load_tiny(tiny_deep_llama)
-    prompt = prompt_ids(30, 7)
+    prompt = repeating_prompt(30, 7)
     drafter = lambda: LayerSkipDrafter([4, 5], model.spec.num_items, max_draft=3, confidence_threshold=0.0)  # noqa: E731
     alone = decode(model, prefill(model, prompt, 20), DecodeConfig(20), SamplingParams(), drafter())
     (batched,) = decode_batch(
@@ -95,7 +68,7 @@ def test_speculative_sampling_in_a_batch_matches_the_model_distribution(tiny_lla
     """χ² of (t1, t2, t3) of one prompt sampled by six requests per batch, each with its own
     seed and draft, against the exact joint law of plain sampling."""
     _, model = load_tiny(tiny_llama)
-    prompt = prompt_ids(4, seed=5)
+    prompt = repeating_prompt(4, seed=5)
     base = dict(temperature=1.0, top_k=4)
     exact = exact_joint_law(model, prompt, SamplingParams(**base))
     prefilled = prefill(model, prompt, 3)
