@@ -8,8 +8,10 @@ same `generate` call.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, replace
 
@@ -34,10 +36,24 @@ MAX_TASK_RETRIES = 2
 
 
 class EngineReplica:
-    """One model replica in one worker process (wrapped by `ray.remote` in ReplicaPool)."""
+    """One model replica in one worker process (wrapped by `ray.remote` in ReplicaPool).
 
-    def __init__(self, engine_config: EngineConfig, strategy: StrategyConfig, num_threads: int | None = None) -> None:
+    With `max_batch` > 1 it takes many `generate` calls at once (a threaded actor) and decodes
+    them in one continuous batch, on one decode thread; transformers' `generate()` (`hf`) runs
+    one call at a time.
+    """
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        strategy: StrategyConfig,
+        num_threads: int | None = None,
+        max_batch: int = 1,
+    ) -> None:
         import torch
+
+        from pipeline.decoding.serving import BatchingThread
+        from pipeline.engine import REGISTRY
 
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -45,6 +61,14 @@ class EngineReplica:
         started = time.perf_counter()
         self.engine = Engine(engine_config, calibrator=store_calibrator(engine_config.calibration_dir))
         self.strategy = strategy
+        self.max_batch = max_batch
+        if REGISTRY[strategy.name].searching:
+            # Measured now, before any batch runs beside the timer.
+            self.engine.latency  # noqa: B018
+        self.server = None
+        if REGISTRY[strategy.name].build is not None:
+            self.server = BatchingThread(self.engine.batcher(max_batch))
+        self._one_at_a_time = threading.Lock()
         self.load_s = time.perf_counter() - started
 
     def info(self) -> dict:
@@ -56,13 +80,19 @@ class EngineReplica:
             "max_context": self.engine.model.max_context,
             "threads": torch.get_num_threads(),
             "load_s": self.load_s,
+            "max_batch": self.max_batch,
             "pid": os.getpid(),
         }
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams) -> dict:
         import torch
 
-        result = self.engine.generate(torch.tensor(prompt_ids, dtype=torch.long), self.strategy, max_new_tokens, params)
+        prompt = torch.tensor(prompt_ids, dtype=torch.long)
+        if self.server is not None:
+            result = self.server.generate(self.engine.request(prompt, self.strategy, max_new_tokens, params))
+        else:
+            with self._one_at_a_time:
+                result = self.engine.generate(prompt, self.strategy, max_new_tokens, params)
         return {
             "token_ids": result.token_ids,
             "finish_reason": result.finish_reason,
@@ -113,7 +143,13 @@ class PipelineReplica(EngineReplica):
         path = checkpoint.resolve_checkpoint(engine_config.model, engine_config.cache_dir)
         mode = resolve_compute_mode(engine_config.dtype, engine_config.device)
         self.ray_pipeline = start_pipeline(
-            path, num_stages, mode, engine_config.device, num_cpus=stage_cpus, num_threads=num_threads, group=group,
+            path,
+            num_stages,
+            mode,
+            engine_config.device,
+            num_cpus=stage_cpus,
+            num_threads=num_threads,
+            group=group,
             tensor_parallel=tensor_parallel,
         )
         self.pipeline, self.stages = self.ray_pipeline.model, self.ray_pipeline.handles
@@ -121,12 +157,20 @@ class PipelineReplica(EngineReplica):
             # Each stage weighed by its own node's device table, plus the hop: the knapsack
             # skips a slow stage's items first and knows that a skipped middle stage saves its hop.
             latency = calibrate_pipeline(
-                self.ray_pipeline, path, mode, engine_config.device, engine_config.calibration_dir, num_threads,
+                self.ray_pipeline,
+                path,
+                mode,
+                engine_config.device,
+                engine_config.calibration_dir,
+                num_threads,
                 tensor_parallel=tensor_parallel,
             )
             engine_config = replace(engine_config, latency=latency)
         self.engine = Engine(engine_config, model=self.pipeline)
         self.strategy = strategy
+        # The stages run one request's rows per call: requests overlap across stages instead.
+        self.server, self.max_batch = None, 1
+        self._one_at_a_time = contextlib.nullcontext()
         self.load_s = time.perf_counter() - started
         self.num_threads = num_threads
         self.tensor_parallel = tensor_parallel
@@ -176,7 +220,9 @@ class PipelineReplica(EngineReplica):
                     ) from e
                 if attempt == self.RETRIES:
                     raise
-                logger.warning("A pipeline stage failed (%s); running the request again from the start", type(e).__name__)
+                logger.warning(
+                    "A pipeline stage failed (%s); running the request again from the start", type(e).__name__
+                )
                 self.retried += 1
                 self._wait_for_stages()
             finally:
@@ -192,6 +238,7 @@ class ReplicaResources:
     pipeline_parallel: int = 1  # stages per replica
     tensor_parallel: int = 1  # ranks per stage; each rank gets num_cpus / (stages × ranks)
     requests_in_flight: int = 4  # per pipelined replica
+    max_batch: int = 1  # requests decoded in one batch per single-process replica
 
 
 class ReplicaPool:
@@ -217,8 +264,12 @@ class ReplicaPool:
                 num_gpus=resources.num_gpus,
                 max_restarts=MAX_RESTARTS,
                 max_task_retries=MAX_TASK_RETRIES,
+                # Calls wait in the batcher's queue (admitted as KV room frees), not in Ray's.
+                max_concurrency=2 * resources.max_batch + 1,
             )
-            self.handles = [actor.remote(engine_config, strategy, resources.num_threads) for _ in range(count)]
+            self.handles = [
+                actor.remote(engine_config, strategy, resources.num_threads, resources.max_batch) for _ in range(count)
+            ]
         else:
             # The coordinator keeps the loop's books and waits on its stages; they hold the CPUs.
             # Several requests at once, a thread each, keep all stages busy: while one request's
@@ -254,7 +305,10 @@ class ReplicaPool:
         for info in self.infos:
             logger.info(
                 "Replica ready: %s in %s mode, %d threads, loaded in %.1f s",
-                info["model"], info["mode"], info["threads"], info["load_s"],
+                info["model"],
+                info["mode"],
+                info["threads"],
+                info["load_s"],
             )
 
     @property

@@ -1,9 +1,11 @@
 """Summarize one document in a single process (no Ray), with any decoding strategy.
 
     python jobs/generate.py --input data/sample.jsonl --id gao-26-109008 --strategy static --json
+    python jobs/generate.py --input data/sample.jsonl --ids A,B,C,D --max-batch 4 --json
 
 The input is a .txt file (the whole file is the document, its id the file stem) or a
-.jsonl / .parquet file with `id` and `text` columns, one row of which `--id` picks.
+.jsonl / .parquet file with `id` and `text` columns, one row of which `--id` picks (or
+several, `--ids`, decoded together in batches; one JSON object per line with `--json`).
 Bad arguments and inputs end with one `error: ...` line on stderr and exit code 2;
 they are checked before the model is loaded, as far as they can be without it.
 """
@@ -22,7 +24,15 @@ import torch
 
 from pipeline.cli import Parser, check_device, check_model, positive_int, run_reporting_errors
 from pipeline.decoding.sampling import SamplingParams
-from pipeline.engine import REGISTRY, SEARCHING_STRATEGIES, STRATEGIES, Engine, EngineConfig, StrategyConfig
+from pipeline.engine import (
+    DEFAULT_MAX_BATCH,
+    REGISTRY,
+    SEARCHING_STRATEGIES,
+    STRATEGIES,
+    Engine,
+    EngineConfig,
+    StrategyConfig,
+)
 from pipeline.errors import ConfigError, RowError
 from pipeline.logs import configure_logging
 from pipeline.model import checkpoint
@@ -39,6 +49,11 @@ INPUT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 _IDS_SHOWN = 5
 
 
+def _id_list(value: str) -> list[str]:
+    ids = list(dict.fromkeys(part.strip() for part in value.split(",") if part.strip()))
+    if not ids:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ids, got {value!r}")
+    return ids
 
 
 def _skip_items(value: str) -> tuple[int, ...]:
@@ -58,7 +73,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Summarize one document with the KnapSpec engine in this process.",
     )
     parser.add_argument("--input", required=True, type=Path, help="a .txt, .jsonl or .parquet file")
-    parser.add_argument("--id", dest="doc_id", help="the row of a .jsonl/.parquet input to summarize (its `id`)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--id", dest="doc_id", help="the row of a .jsonl/.parquet input to summarize (its `id`)")
+    which.add_argument(
+        "--ids", type=_id_list, help="several rows, comma-separated: decoded together, up to --max-batch at a time"
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=DEFAULT_MAX_BATCH,
+        help=f"requests decoded together in one batch (default {DEFAULT_MAX_BATCH}); each gets the tokens it "
+        "would alone",
+    )
     parser.add_argument(
         "--model", help=f"a local Hugging Face checkpoint folder (default: the embedded {checkpoint.EMBEDDED_MODEL})"
     )
@@ -248,13 +274,16 @@ def _check_settings(args: argparse.Namespace) -> tuple[StrategyConfig, SamplingP
     return strategy, params
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Load the document and the model, generate, and return the result record."""
-    doc_id, document = load_document(args.input, args.doc_id)
+def run(args: argparse.Namespace) -> list[dict]:
+    """Load the documents and the model, generate, and return one result record per document."""
+    ids = args.ids if args.ids is not None else [args.doc_id]
+    documents = [load_document(args.input, doc_id) for doc_id in ids]
     strategy, params = _check_settings(args)
 
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
     sharded = args.pipeline_parallel > 1 or args.tensor_parallel > 1
+    if sharded and args.max_batch > 1 and len(documents) > 1:
+        raise ConfigError("a pipeline- or tensor-parallel model decodes one request at a time; use --max-batch 1")
     if sharded:
         engine = _sharded_engine(args, config)
     else:
@@ -276,31 +305,45 @@ def run(args: argparse.Namespace) -> dict:
         )
     max_prompt = args.max_context if args.max_context is not None else room
 
-    prompt = build_prompt(engine.tokenizer, document, max_prompt, args.instruction)
-    prompt_tokens = prompt.token_ids.numel()
-    if prompt.truncated:
-        logger.info(
-            "truncated document %s from %d document tokens to a prompt of %d tokens",
-            doc_id,
-            prompt.document_tokens,
-            prompt_tokens,
-        )
-    logger.info("Generating up to %d tokens for %s with %s", args.max_new_tokens, doc_id, strategy.name)
-    result = engine.generate(prompt.token_ids, strategy, args.max_new_tokens, params)
-    return {
-        "id": doc_id,
-        "model": engine.name,
-        "strategy": strategy.name,
-        "token_ids": [int(t) for t in result.token_ids],
-        "text": engine.tokenizer.decode(result.token_ids, skip_special_tokens=True),
-        "prompt_tokens": prompt_tokens,
-        "document_tokens": prompt.document_tokens,
-        "output_tokens": len(result.token_ids),
-        "truncated": prompt.truncated,
-        "finish_reason": result.finish_reason,
-        "stats": result.stats.to_dict(),
-        "search": result.extra,  # what a searching strategy decided (empty for the others)
-    }
+    prompts = []
+    for doc_id, document in documents:
+        prompt = build_prompt(engine.tokenizer, document, max_prompt, args.instruction)
+        if prompt.truncated:
+            logger.info(
+                "truncated document %s from %d document tokens to a prompt of %d tokens",
+                doc_id,
+                prompt.document_tokens,
+                prompt.token_ids.numel(),
+            )
+        prompts.append(prompt)
+    logger.info(
+        "Generating up to %d tokens for %s with %s",
+        args.max_new_tokens,
+        ", ".join(i for i, _ in documents),
+        strategy.name,
+    )
+    if len(prompts) == 1 or sharded:
+        results = [engine.generate(p.token_ids, strategy, args.max_new_tokens, params) for p in prompts]
+    else:
+        ids_only = [p.token_ids for p in prompts]
+        results = engine.generate_batch(ids_only, strategy, args.max_new_tokens, params, max_batch=args.max_batch)
+    return [
+        {
+            "id": doc_id,
+            "model": engine.name,
+            "strategy": strategy.name,
+            "token_ids": [int(t) for t in result.token_ids],
+            "text": engine.tokenizer.decode(result.token_ids, skip_special_tokens=True),
+            "prompt_tokens": prompt.token_ids.numel(),
+            "document_tokens": prompt.document_tokens,
+            "output_tokens": len(result.token_ids),
+            "truncated": prompt.truncated,
+            "finish_reason": result.finish_reason,
+            "stats": result.stats.to_dict(),
+            "search": result.extra,  # what a searching strategy decided (empty for the others)
+        }
+        for (doc_id, _), prompt, result in zip(documents, prompts, results)
+    ]
 
 
 def _sharded_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
@@ -317,7 +360,12 @@ def _sharded_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
     mode = resolve_compute_mode(config.dtype, config.device)
     threads = max(1, torch.get_num_threads() // (args.pipeline_parallel * args.tensor_parallel))
     staged = start_pipeline(
-        path, args.pipeline_parallel, mode, config.device, num_cpus=0.5, num_threads=threads,
+        path,
+        args.pipeline_parallel,
+        mode,
+        config.device,
+        num_cpus=0.5,
+        num_threads=threads,
         tensor_parallel=args.tensor_parallel,
     )
     if args.strategy in SEARCHING_STRATEGIES:
@@ -350,12 +398,15 @@ def main(argv: list[str] | None = None) -> int:
     return run_reporting_errors(lambda: _print(run(args), args.json))
 
 
-def _print(record: dict, as_json: bool) -> int:
-    if as_json:
-        print(json.dumps(record, ensure_ascii=False))
-    else:
+def _print(records: list[dict], as_json: bool) -> int:
+    for record in records:
+        if as_json:
+            print(json.dumps(record, ensure_ascii=False))  # one object per line
+            continue
+        if len(records) > 1:
+            print(f"# {record['id']}")
         print(record["text"])
-        # On stderr, so that stdout is only the summary and can be redirected to a file.
+        # On stderr, so that stdout is only the summaries and can be redirected to a file.
         print(_stats_line(record), file=sys.stderr)
     return 0
 

@@ -30,15 +30,15 @@ OUTPUT_NAME = "summaries.parquet"
 DEFAULT_STRATEGY = "knapspec-lookup"
 DEFAULT_MAX_NEW_TOKENS = 64
 DEFAULT_MAX_CHUNK_TOKENS = 4096
+# Documents per summarize actor: each waits on replicas in a thread of its own, so a few
+# actors keep many documents in flight without a process each.
+DOCUMENTS_PER_ACTOR = 4
 # Every data stage (filter, summarize dispatchers, write) asks for a tenth of a CPU: the
 # replicas hold the CPUs, and a stage asking Ray Data's default of one CPU could wait forever
 # behind them on a small machine.
 DATA_TASK_CPUS = 0.1
 
 logger = logging.getLogger("summarize")
-
-
-
 
 
 def _id_list(value: str) -> frozenset[str]:
@@ -49,7 +49,7 @@ def _id_list(value: str) -> frozenset[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from pipeline.engine import STRATEGIES
+    from pipeline.engine import DEFAULT_MAX_BATCH, STRATEGIES
     from pipeline.model.linear import DTYPE_CHOICES
 
     parser = Parser(prog="summarize.py", description=__doc__.split("\n\n")[0])
@@ -61,7 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a .parquet/.jsonl file or folder, a datasets save_to_disk folder, or a folder of .txt files "
         "(default: the bundled sample documents)",
     )
-    data.add_argument("--output", type=Path, default=Path("out"), help=f"output folder; rows go to OUTPUT/{OUTPUT_NAME}/")
+    data.add_argument(
+        "--output", type=Path, default=Path("out"), help=f"output folder; rows go to OUTPUT/{OUTPUT_NAME}/"
+    )
     data.add_argument("--id-column", default="id")
     data.add_argument("--text-column", default="text")
     data.add_argument(
@@ -73,7 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--overwrite", action="store_true", help="replace the rows of an earlier run")
 
     model = parser.add_argument_group("model and decoding")
-    model.add_argument("--model", help="a local Hugging Face checkpoint folder on every node (default: the embedded model)")
+    model.add_argument(
+        "--model", help="a local Hugging Face checkpoint folder on every node (default: the embedded model)"
+    )
     model.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=STRATEGIES)
     model.add_argument("--max-new-tokens", type=positive_int, default=DEFAULT_MAX_NEW_TOKENS, help="per request")
     model.add_argument(
@@ -98,20 +102,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     cluster.add_argument("--replicas", type=positive_int, default=1, help="model replicas (data parallel)")
     cluster.add_argument(
-        "--pipeline-parallel", type=positive_int, default=1,
+        "--pipeline-parallel",
+        type=positive_int,
+        default=1,
         help="pipeline stages per replica, each a Ray actor holding its share of the layers",
     )
     cluster.add_argument("--tensor-parallel", type=positive_int, default=1, help="tensor-parallel ranks per stage")
     cluster.add_argument(
-        "--cpus-per-replica", type=positive_float, help="Ray CPUs reserved per replica (default: 1, less when "
-        "the cluster is smaller; half a CPU stays free for the data stages)"
+        "--cpus-per-replica",
+        type=positive_float,
+        help="Ray CPUs reserved per replica (default: 1, less when "
+        "the cluster is smaller; half a CPU stays free for the data stages)",
     )
     cluster.add_argument(
-        "--threads-per-replica", type=positive_int, help="torch threads per replica (default: this machine's cores "
-        "shared among the replicas for a local run, else the reserved CPUs)"
+        "--threads-per-replica",
+        type=positive_int,
+        help="torch threads per replica (default: this machine's cores "
+        "shared among the replicas for a local run, else the reserved CPUs)",
     )
     cluster.add_argument(
-        "--documents-in-flight", type=positive_int, help="documents summarized at once (default: 2 per replica and stage)"
+        "--max-batch",
+        type=positive_int,
+        default=DEFAULT_MAX_BATCH,
+        help=f"requests one replica decodes together in one batch (default {DEFAULT_MAX_BATCH}; "
+        "a pipelined replica overlaps requests across its stages instead)",
+    )
+    cluster.add_argument(
+        "--documents-in-flight",
+        type=positive_int,
+        help="documents summarized at once (default: --max-batch per replica, 2 per stage when pipelined)",
     )
     parser.add_argument("--cache-dir", type=Path, help="where the embedded model's safetensors copy lives")
     parser.add_argument("--quiet", action="store_true", help="log warnings only")
@@ -166,6 +185,7 @@ def _init_ray(address: str | None) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     import ray
+    from ray.data import ActorPoolStrategy
 
     from actors.replica import DATA_CPUS, ReplicaPool, ReplicaResources
     from pipeline.decoding.sampling import SamplingParams
@@ -199,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
             pipeline_parallel=args.pipeline_parallel,
             tensor_parallel=args.tensor_parallel,
             requests_in_flight=2 * args.pipeline_parallel,
+            max_batch=args.max_batch,
         )
 
         documents = read_documents(spec)
@@ -229,7 +250,10 @@ def run(args: argparse.Namespace) -> int:
             max_prompt_tokens=min(args.max_chunk_tokens, pool.max_context - args.max_new_tokens),
             params=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
         )
-        in_flight = args.documents_in_flight or 2 * args.replicas * args.pipeline_parallel
+        sharded = args.pipeline_parallel > 1 or args.tensor_parallel > 1
+        per_replica = 2 * args.pipeline_parallel if sharded else args.max_batch
+        in_flight = args.documents_in_flight or args.replicas * per_replica
+        actors = -(-in_flight // DOCUMENTS_PER_ACTOR)
         summaries = documents.map_batches(
             SummarizeBatch,
             fn_constructor_kwargs={
@@ -240,10 +264,15 @@ def run(args: argparse.Namespace) -> int:
             },
             batch_size=1,  # a row is written as soon as its document is done
             batch_format="pyarrow",
-            concurrency=in_flight,
+            compute=ActorPoolStrategy(
+                size=actors,
+                max_concurrent_calls_per_actor=-(-in_flight // actors),
+                max_tasks_in_flight_per_actor=-(-in_flight // actors),
+                enable_true_multi_threading=True,
+            ),
             # These actors only tokenize and wait on replicas; the replicas hold the CPUs. All of
             # them, a read, a filter and a write task must fit in what the replicas leave free.
-            num_cpus=min(DATA_TASK_CPUS, (DATA_CPUS - 3 * DATA_TASK_CPUS) / in_flight),
+            num_cpus=min(DATA_TASK_CPUS, (DATA_CPUS - 3 * DATA_TASK_CPUS) / actors),
         )
         sink = SummarySink(args.output / OUTPUT_NAME)
         summaries.write_datasink(sink, ray_remote_args={"num_cpus": DATA_TASK_CPUS})

@@ -110,6 +110,8 @@ REGISTRY: dict[str, Strategy] = {
     ),
 }
 STRATEGIES = tuple(REGISTRY)
+# Requests a replica decodes together unless told otherwise (see README, "Batches").
+DEFAULT_MAX_BATCH = 8
 SEARCHING_STRATEGIES = tuple(name for name, strategy in REGISTRY.items() if strategy.searching)
 
 
@@ -233,7 +235,7 @@ class Engine:
         strategy: StrategyConfig,
         max_new_tokens: int,
         params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-        max_batch: int = 8,
+        max_batch: int = DEFAULT_MAX_BATCH,
     ) -> list[GenerationResult]:
         """Generate for every prompt, up to `max_batch` at a time (continuous batching; for `hf`,
         left-padded generate() batches). Results in the prompts' order; the first failure raises."""

@@ -54,6 +54,9 @@ class DocumentSummarizer:
         self.tokenizer = tokenizer
         self.generate_many = generate_many
         self.settings = settings
+        # Documents are summarized on several threads at once; a fast tokenizer must not be
+        # used by two of them at a time ("Already borrowed").
+        self._tokenizing = threading.RLock()
         overhead = max(self._template_tokens(kind) for kind in INSTRUCTIONS)
         # The document text a request may carry: the prompt budget minus the instruction,
         # the chat template and a margin.
@@ -66,19 +69,19 @@ class DocumentSummarizer:
             )
 
     def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer.encode(text, add_special_tokens=False))
+        with self._tokenizing:
+            return len(self.tokenizer.encode(text, add_special_tokens=False))
 
     def summarize(self, doc_id: str, text: str, reference: str | None = None) -> dict:
         """The output row of one document; raises RowError when it cannot be summarized."""
         answered: list[dict] = []
 
         def summarize_requests(requests: list[SummaryRequest]) -> list[str]:
-            calls = [
-                (self._prompt_ids(r), self.settings.max_new_tokens, self._params(doc_id, r)) for r in requests
-            ]
+            calls = [(self._prompt_ids(r), self.settings.max_new_tokens, self._params(doc_id, r)) for r in requests]
             results = self.generate_many(calls)
             answered.extend(results)
-            return [self.tokenizer.decode(r["token_ids"], skip_special_tokens=True).strip() for r in results]
+            with self._tokenizing:
+                return [self.tokenizer.decode(r["token_ids"], skip_special_tokens=True).strip() for r in results]
 
         outcome = map_reduce(
             text,
@@ -102,13 +105,15 @@ class DocumentSummarizer:
         return row
 
     def _prompt_ids(self, request: SummaryRequest) -> list[int]:
-        prompt = build_prompt(
-            self.tokenizer, request.text, self.settings.max_prompt_tokens, instruction=INSTRUCTIONS[request.kind]
-        )
+        with self._tokenizing:
+            prompt = build_prompt(
+                self.tokenizer, request.text, self.settings.max_prompt_tokens, instruction=INSTRUCTIONS[request.kind]
+            )
         if prompt.truncated:
             # Chunks are sized to fit; a cut here means the token arithmetic is off.
-            logger.warning("A %s request of %d tokens was cut to fit the prompt budget", request.kind,
-                           prompt.document_tokens)
+            logger.warning(
+                "A %s request of %d tokens was cut to fit the prompt budget", request.kind, prompt.document_tokens
+            )
         return prompt.token_ids.tolist()
 
     def _params(self, doc_id: str, request: SummaryRequest) -> SamplingParams:

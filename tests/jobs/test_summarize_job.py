@@ -163,12 +163,13 @@ def test_an_earlier_output_is_not_overwritten_silently(tmp_path):
 
 
 def test_pipeline_parallel_replicas_write_the_same_summaries(bad_rows_parquet, tiny_chat_checkpoint, tmp_path):
-    """Two replicas of two pipeline stages each (stage actors holding half the layers) give
-    the summaries of single-process replicas, token for token."""
+    """Two replicas of two pipeline stages each (stage actors holding half the layers), one
+    request at a time per stage, give the summaries of one single-process replica decoding its
+    requests in batches of four, token for token."""
     path, rows = bad_rows_parquet
     common = ["--input", path, "--model", tiny_chat_checkpoint, "--max-new-tokens", "16", "--max-chunk-tokens",
               "512", "--strategy", "ar", "--dtype", "fp32", "--threads-per-replica", "1"]
-    single = run_job(*common, "--output", tmp_path / "p1")
+    single = run_job(*common, "--output", tmp_path / "p1", "--max-batch", "4")
     piped = run_job(*common, "--output", tmp_path / "p2", "--pipeline-parallel", "2", "--replicas", "2")
     assert single.returncode == 0 and piped.returncode == 0, piped.stderr[-3000:]
 
