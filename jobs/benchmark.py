@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 
 from pipeline.decoding.drafters import LayerSkipDrafter
-from pipeline.decoding.loop import DecodeConfig, decode, prefill
+from pipeline.decoding.loop import DecodeConfig, DecodingRequest, GenerationResult, decode, decode_batch, prefill
 from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.stats import GenerationStats
 from pipeline.engine import SEARCHING_STRATEGIES, STRATEGIES, Engine, EngineConfig, StrategyConfig
 from pipeline.errors import KnapSpecError
 from pipeline.knapspec.drafter import KnapSpecDrafter, search_candidates
@@ -57,10 +58,10 @@ class Record:
     dtype: str
     doc_id: str
     context_tokens: int
-    new_tokens: int
-    tokens_per_s: float  # the measured TPT
-    prefill_s: float
-    speedup_vs_ar: float | None
+    new_tokens: int  # of the batch's first request
+    tokens_per_s: float  # decode throughput summed over the batch (at batch 1 the measured TPT)
+    prefill_s: float  # of all the batch's prompts
+    speedup_vs_ar: float | None  # against `ar` at the same batch size, same prompts
     acceptance_rate: float
     mean_accepted_len: float
     tokens_equal_ar: bool
@@ -71,6 +72,8 @@ class Record:
     dp_overhead_frac: float | None
     skipped_attn: float | None  # attention items a speculating plan skipped, mean over plans
     skipped_mlp: float | None
+    batch_size: int = 1
+    speedup_vs_batch1: float | None = None  # against the reference at batch 1
 
     @property
     def measured_tpt(self) -> float:
@@ -85,6 +88,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="NAME:DTYPE pairs, comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--batch-sizes",
+        default="1",
+        help="requests decoded together, comma-separated (e.g. 1,4,8,16): request k of a batch is the "
+        "document read from its k-th part on, like the chunks of one document in the summarize job",
+    )
     parser.add_argument("--reference", default="ar:fp16w", help="the NAME:DTYPE speedups are relative to")
     parser.add_argument("--output", type=Path, default=Path("out"))
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
@@ -122,6 +131,97 @@ def load_documents(path: Path, ids: list[str]) -> dict[str, str]:
     if missing:
         raise KnapSpecError(f"ids not found in {path}: {', '.join(missing)}")
     return {i: rows[i] for i in ids}
+
+
+def batch_prompts(tokenizer, text: str, length: int, count: int) -> list[torch.Tensor]:
+    """`count` prompts of up to `length` tokens: the k-th reads the document from its k-th
+    part on (at a paragraph boundary), as the chunks of one document reach a replica together."""
+    paragraphs = [p for p in text.split("\n\n") if p.strip()]
+    prompts = []
+    for k in range(count):
+        first = k * len(paragraphs) // count
+        prompts.append(build_prompt(tokenizer, "\n\n".join(paragraphs[first:]), max_prompt_tokens=length).token_ids)
+    return prompts
+
+
+@dataclass
+class BatchRun:
+    results: list[GenerationResult]
+    decode_s: float  # wall time of the batch's decode (after every prefill)
+    prefill_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens decoded after the prefills, summed over the batch, per second of the batch."""
+        decoded = sum(max(len(r.token_ids) - 1, 0) for r in self.results)
+        return decoded / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def run_batch(engine: Engine, strategy: str, prompts: list[torch.Tensor], prefilled: list, max_new_tokens: int):
+    """One batch of `strategy` from copies of the prefilled prompts: our decoders through
+    decode_batch (one forward per step for all), transformers' generate() on a left-padded batch."""
+    if strategy.startswith("hf"):
+        if len(prompts) == 1:
+            results = [engine.generate(prompts[0], StrategyConfig(strategy), max_new_tokens)]
+        else:
+            results = engine.generate_batch(prompts, StrategyConfig(strategy), max_new_tokens, max_batch=len(prompts))
+        # generate() times its own prefill and decode; in a batch they are the batch's.
+        return BatchRun(results, results[0].stats.decode_s, results[0].stats.prefill_s)
+    config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=engine.eos_token_ids)
+    requests = [
+        DecodingRequest(f.copy(), config, SamplingParams(), engine.drafter(StrategyConfig(strategy)), p.tolist())
+        for p, f in zip(prompts, prefilled)
+    ]
+    started = time.perf_counter()
+    results = decode_batch(engine.model, requests)
+    return BatchRun(results, time.perf_counter() - started, sum(f.seconds for f in prefilled))
+
+
+def _alone(engine: Engine, prompt: torch.Tensor, prefilled, max_new_tokens: int) -> list[int]:
+    """The request's `ar` tokens decoded by itself: what it must emit in any batch."""
+    config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=engine.eos_token_ids)
+    return decode(engine.model, prefilled.copy(), config, SamplingParams()).token_ids
+
+
+def batch_record(
+    name: str,
+    dtype: str,
+    doc_id: str,
+    size: int,
+    runs: list[BatchRun],
+    ref_speeds: list[float],
+    reference_at_1: float | None,
+    alone: list[list[int]],
+) -> Record:
+    speeds = [run.tokens_per_s for run in runs]
+    ratios = [s / ref for s, ref in zip(speeds, ref_speeds) if ref > 0]
+    results = [r for run in runs for r in run.results]
+    stats = [GenerationStats.total(r.stats for r in run.results) for run in runs]
+    first = runs[0].results[0]
+    return Record(
+        strategy=name,
+        dtype=dtype,
+        doc_id=doc_id,
+        context_tokens=first.stats.prompt_tokens,
+        new_tokens=len(first.token_ids),
+        tokens_per_s=statistics.median(speeds),
+        prefill_s=statistics.median(run.prefill_s for run in runs),
+        speedup_vs_ar=statistics.median(ratios) if ratios else None,
+        acceptance_rate=statistics.median(s.acceptance_rate for s in stats),
+        mean_accepted_len=statistics.median(s.mean_accepted_len for s in stats),
+        # Greedy outputs are exact within a compute mode: each request against itself alone with `ar`.
+        tokens_equal_ar=all(r.token_ids == alone[i] for run in runs for i, r in enumerate(run.results)),
+        repeats=len(runs),
+        predicted_tpt=_median_extra(results, "predicted_tpt"),
+        dp_overhead_frac=max(
+            [r.extra["optimize_s"] / r.stats.decode_s for r in results if "optimize_s" in r.extra and r.stats.decode_s],
+            default=None,
+        ),
+        skipped_attn=_median_extra(results, "mean_skipped_attn"),
+        skipped_mlp=_median_extra(results, "mean_skipped_mlp"),
+        batch_size=size,
+        speedup_vs_batch1=statistics.median(speeds) / reference_at_1 if reference_at_1 else None,
+    )
 
 
 def verify_costs(engine: Engine, prompt_ids: torch.Tensor, rounds: int = 9) -> dict[int, float]:
@@ -166,61 +266,56 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in {d for n, d in pairs if n in SEARCHING_STRATEGIES}:
             engines[dtype].calibrate(force=True)
 
+    batch_sizes = sorted({int(x) for x in args.batch_sizes.split(",")})
     records: list[Record] = []
     verify_rows = []
     forced: list[dict] = []
     for doc_id, text in documents.items():
         for length in lengths:
-            prompt = build_prompt(tokenizer, text, max_prompt_tokens=length).token_ids
-            # One prefill per compute mode; every strategy and repeat decodes from its own copy.
-            prefilled = {dtype: engine.prefill(prompt, args.max_new_tokens) for dtype, engine in engines.items()}
-            runs: dict[tuple[str, str], list] = {pair: [] for pair in pairs}
-            for repeat in range(args.repeats):
-                for name, dtype in run_order(pairs, repeat):
-                    strategy = reference[0] if name == CONTROL else name
-                    own = None if strategy.startswith("hf") else prefilled[dtype].copy()
-                    result = engines[dtype].generate(prompt, StrategyConfig(strategy), args.max_new_tokens, prefilled=own)
-                    runs[(name, dtype)].append(result)
-                    logger.info(
-                        "%s %d tokens, %s:%s repeat %d: %.1f tok/s, prefill %.2f s",
-                        doc_id, prompt.numel(), name, dtype, repeat, result.stats.tokens_per_s, result.stats.prefill_s,
+            prompts = batch_prompts(tokenizer, text, length, max(batch_sizes))
+            # One prefill per prompt and compute mode; every strategy and repeat decodes from its own copy.
+            prefilled = {
+                dtype: [engine.prefill(p, args.max_new_tokens) for p in prompts] for dtype, engine in engines.items()
+            }
+            alone = {
+                dtype: [_alone(engine, p, f, args.max_new_tokens) for p, f in zip(prompts, prefilled[dtype])]
+                for dtype, engine in engines.items()
+            }
+            reference_at_1 = None
+            for size in batch_sizes:
+                chosen = [pair for pair in pairs if size == 1 or pair[0] != "hf-lookup"]  # it takes one prompt
+                runs: dict[tuple[str, str], list] = {pair: [] for pair in chosen}
+                for repeat in range(args.repeats):
+                    for name, dtype in run_order(chosen, repeat):
+                        strategy = reference[0] if name == CONTROL else name
+                        run = run_batch(
+                            engines[dtype], strategy, prompts[:size], prefilled[dtype][:size], args.max_new_tokens
+                        )
+                        runs[(name, dtype)].append(run)
+                        logger.info(
+                            "%s %d tokens, batch %d, %s:%s repeat %d: %.1f tok/s",
+                            doc_id, prompts[0].numel(), size, name, dtype, repeat, run.tokens_per_s,
+                        )  # fmt: skip
+                ref_speeds = [r.tokens_per_s for r in runs[reference]]
+                if size == batch_sizes[0]:
+                    reference_at_1 = statistics.median(ref_speeds) if size == 1 else None
+                for (name, dtype), batch_runs in runs.items():
+                    records.append(
+                        batch_record(name, dtype, doc_id, size, batch_runs, ref_speeds, reference_at_1, alone[dtype])
                     )
-            ref_speeds = [r.stats.tokens_per_s for r in runs[reference]]
-            for (name, dtype), results in runs.items():
-                speeds = [r.stats.tokens_per_s for r in results]
-                ratios = [s / ref for s, ref in zip(speeds, ref_speeds) if ref > 0]
-                # Greedy outputs are exact within a compute mode: compare with `ar` in the same mode.
-                ref_tokens = runs.get(("ar", dtype), runs[reference])[0].token_ids
-                records.append(
-                    Record(
-                        strategy=name,
-                        dtype=dtype,
-                        doc_id=doc_id,
-                        context_tokens=prompt.numel(),
-                        new_tokens=len(results[0].token_ids),
-                        tokens_per_s=statistics.median(speeds),
-                        prefill_s=statistics.median(r.stats.prefill_s for r in results),
-                        speedup_vs_ar=statistics.median(ratios) if ratios else None,
-                        acceptance_rate=statistics.median(r.stats.acceptance_rate for r in results),
-                        mean_accepted_len=statistics.median(r.stats.mean_accepted_len for r in results),
-                        tokens_equal_ar=all(r.token_ids == ref_tokens for r in results),
-                        repeats=len(results),
-                        predicted_tpt=_median_extra(results, "predicted_tpt"),
-                        dp_overhead_frac=max(
-                            [r.extra["optimize_s"] / r.stats.decode_s for r in results if "optimize_s" in r.extra],
-                            default=None,
-                        ),
-                        skipped_attn=_median_extra(results, "mean_skipped_attn"),
-                        skipped_mlp=_median_extra(results, "mean_skipped_mlp"),
-                    )
-                )
             if args.no_fallback:
                 forced += forced_candidates(
-                    engines[reference[1]], prompt, prefilled[reference[1]], doc_id, args.max_new_tokens, args.forced
-                )
-            costs = verify_costs(engines[reference[1]], prompt)
+                    engines[reference[1]], prompts[0], prefilled[reference[1]][0], doc_id, args.max_new_tokens,
+                    args.forced,
+                )  # fmt: skip
+            costs = verify_costs(engines[reference[1]], prompts[0])
             verify_rows.append(
-                {"doc_id": doc_id, "context_tokens": prompt.numel(), "dtype": reference[1], "t_forward_1_s": costs[1]}
+                {
+                    "doc_id": doc_id,
+                    "context_tokens": prompts[0].numel(),
+                    "dtype": reference[1],
+                    "t_forward_1_s": costs[1],
+                }
                 | {f"verify_{k}_over_1": costs[k] / costs[1] for k in VERIFY_SIZES[1:]}
             )
 
@@ -241,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     print(format_tables(records, verify_rows, reference))
     print()
     print(format_summary(summary, reference))
+    batches = format_batches(records, reference)
+    if batches:
+        print()
+        print(batches)
     if forced:
         print()
         print(format_forced(forced))
@@ -284,7 +383,7 @@ def summarize(records: list[Record], forced: list[dict], reference: tuple[str, s
     for r in records:
         if r.speedup_vs_ar is None or (r.strategy, r.dtype) == reference:
             continue
-        entry = per_strategy.setdefault(f"{r.strategy}:{r.dtype}", {"by_length": {}, "rows": []})
+        entry = per_strategy.setdefault(label_of(r), {"by_length": {}, "rows": []})
         entry["by_length"].setdefault(length_bucket(r.context_tokens), []).append(r.speedup_vs_ar)
         entry["rows"].append(r)
     summary: dict[str, dict] = {}
@@ -320,6 +419,39 @@ def summarize(records: list[Record], forced: list[dict], reference: tuple[str, s
     return summary
 
 
+def label_of(r: Record) -> str:
+    """A strategy's name in the summary: NAME:DTYPE, and @BATCH beyond batch 1."""
+    return f"{r.strategy}:{r.dtype}" + (f"@{r.batch_size}" if r.batch_size > 1 else "")
+
+
+def format_batches(records: list[Record], reference: tuple[str, str]) -> str:
+    """Throughput per batch size and context: geometric mean over documents, against the same
+    reference at the same batch and at batch 1."""
+    sizes = sorted({r.batch_size for r in records})
+    if sizes == [1]:
+        return ""
+    groups: dict[tuple[str, int, int], list[Record]] = {}
+    for r in records:
+        groups.setdefault((f"{r.strategy}:{r.dtype}", length_bucket(r.context_tokens), r.batch_size), []).append(r)
+    lines = [
+        f"Decode throughput summed over the batch (geometric mean over documents); vs {reference[0]}:{reference[1]} "
+        "at the same batch, and at batch 1:",
+        "",
+        "| strategy | context | batch | tok/s | vs ar, same batch | vs ar at batch 1 | same tokens as ar alone |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for (label, length, size), rows in sorted(groups.items()):
+        vs_ar = [r.speedup_vs_ar for r in rows if r.speedup_vs_ar]
+        vs_1 = [r.speedup_vs_batch1 for r in rows if r.speedup_vs_batch1]
+        lines.append(
+            f"| {label} | ~{length:,} | {size} | {statistics.geometric_mean([r.tokens_per_s for r in rows]):.1f} "
+            f"| {statistics.geometric_mean(vs_ar):.2f}× | "
+            + (f"{statistics.geometric_mean(vs_1):.2f}×" if vs_1 else "")
+            + f" | {'yes' if all(r.tokens_equal_ar for r in rows) else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
 def format_summary(summary: dict, reference: tuple[str, str]) -> str:
     strategies = [label for label in summary if label != "forced"]
     if not strategies:
@@ -338,8 +470,11 @@ def format_summary(summary: dict, reference: tuple[str, str]) -> str:
             cells.append(f"{cell['geomean']:.2f}× ({cell['min']:.2f}–{cell['max']:.2f})" if cell else "")
         lines.append(f"| ~{length:,} | " + " | ".join(cells) + " |")
     lines.append("| all | " + " | ".join(f"**{summary[label]['geomean']:.2f}×**" for label in strategies) + " |")
-    lines += ["", "| strategy | rows | same tokens as ar | search / decode (mean, max) | predicted vs measured tok/s (mean error) |",
-              "|---|---:|---|---:|---:|"]
+    lines += [
+        "",
+        "| strategy | rows | same tokens as ar | search / decode (mean, max) | predicted vs measured tok/s (mean error) |",
+        "|---|---:|---|---:|---:|",
+    ]
     for label in strategies:
         entry = summary[label]
         share = (
@@ -348,7 +483,9 @@ def format_summary(summary: dict, reference: tuple[str, str]) -> str:
             else ""
         )
         error = f"{entry['mean_abs_prediction_error']:.0%}" if entry["mean_abs_prediction_error"] is not None else ""
-        lines.append(f"| {label} | {entry['rows']} | {'yes' if entry['all_tokens_equal_ar'] else 'NO'} | {share} | {error} |")
+        lines.append(
+            f"| {label} | {entry['rows']} | {'yes' if entry['all_tokens_equal_ar'] else 'NO'} | {share} | {error} |"
+        )
     if "forced" in summary:
         f = summary["forced"]
         lines.append(f"| forced DP candidates | {f['n']} |  |  | {f['mean_abs_prediction_error']:.0%} |")
@@ -389,8 +526,13 @@ def forced_candidates(
                 "acceptance_rate": result.stats.acceptance_rate,
             }
         )
-        logger.info("forced %s γ=%d: predicted %.1f, measured %.1f tok/s", sorted(plan.skip), plan.gamma,
-                    plan.predicted_tpt, result.stats.tokens_per_s)
+        logger.info(
+            "forced %s γ=%d: predicted %.1f, measured %.1f tok/s",
+            sorted(plan.skip),
+            plan.gamma,
+            plan.predicted_tpt,
+            result.stats.tokens_per_s,
+        )
     return rows
 
 
@@ -411,12 +553,16 @@ def plot(records: list[Record], forced: list[dict], reference: tuple[str, str], 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
     by_strategy: dict[str, dict[int, list[float]]] = {}
     skipped: dict[str, dict[int, list[tuple[float, float]]]] = {}
+    throughput: dict[tuple[str, int], dict[int, list[float]]] = {}
     for r in records:
         label = f"{r.strategy}:{r.dtype}"
         length = length_bucket(r.context_tokens)
+        throughput.setdefault((label, length), {}).setdefault(r.batch_size, []).append(r.tokens_per_s)
+        if r.batch_size > 1:
+            continue
         if r.speedup_vs_ar is not None:
             by_strategy.setdefault(label, {}).setdefault(length, []).append(r.speedup_vs_ar)
         if r.skipped_attn is not None:
@@ -432,23 +578,38 @@ def plot(records: list[Record], forced: list[dict], reference: tuple[str, str], 
     for strategy, points in sorted(skipped.items()):
         xs = sorted(points)
         # One colour per strategy: attention solid, MLP dashed.
-        line = axes[1].plot(xs, [statistics.mean(a for a, _ in points[x]) for x in xs], marker="o",
-                            label=f"{strategy} attn")[0]
-        axes[1].plot(xs, [statistics.mean(m for _, m in points[x]) for x in xs], marker="x", linestyle="--",
-                     color=line.get_color(), label=f"{strategy} MLP")
+        line = axes[1].plot(
+            xs, [statistics.mean(a for a, _ in points[x]) for x in xs], marker="o", label=f"{strategy} attn"
+        )[0]
+        axes[1].plot(
+            xs,
+            [statistics.mean(m for _, m in points[x]) for x in xs],
+            marker="x",
+            linestyle="--",
+            color=line.get_color(),
+            label=f"{strategy} MLP",
+        )
     axes[1].set(xlabel="context tokens", ylabel="items skipped (speculating plans)", title="What the draft skips")
     axes[1].legend(fontsize=7)
     if forced:
         axes[2].scatter([f["predicted_tpt"] for f in forced], [f["measured_tpt"] for f in forced], label="forced")
     searched = [r for r in records if r.predicted_tpt is not None and r.strategy in SEARCHING]
-    axes[2].scatter([r.predicted_tpt for r in searched], [r.measured_tpt for r in searched], marker="x",
-                    label="knapspec (its plan)")
+    axes[2].scatter(
+        [r.predicted_tpt for r in searched], [r.measured_tpt for r in searched], marker="x", label="knapspec (its plan)"
+    )
     limits = [v for f in forced for v in (f["predicted_tpt"], f["measured_tpt"])]
     limits += [v for r in searched for v in (r.predicted_tpt, r.measured_tpt)]
     if limits:
         axes[2].plot([min(limits), max(limits)], [min(limits), max(limits)], color="gray", linewidth=0.8)
     axes[2].set(xlabel="predicted tokens/s", ylabel="measured tokens/s", title="Latency model")
     axes[2].legend(fontsize=7)
+    for (label, length), points in sorted(throughput.items()):
+        xs = sorted(points)
+        axes[3].plot(xs, [statistics.geometric_mean(points[x]) for x in xs], marker="o", label=f"{label} ~{length:,}")
+    axes[3].set(
+        xlabel="batch size", ylabel="decode tokens/s (batch)", title="Throughput vs batch", xscale="log", yscale="log"
+    )
+    axes[3].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -464,23 +625,28 @@ def _median_extra(results, key: str) -> float | None:
 
 def format_tables(records: list[Record], verify_rows: list[dict], reference: tuple[str, str]) -> str:
     lines = [
-        f"| doc | context | strategy | dtype | decode tok/s | vs {reference[0]}:{reference[1]} | prefill s "
+        f"| doc | context | strategy | dtype | batch | decode tok/s | vs {reference[0]}:{reference[1]} | prefill s "
         "| acceptance | tokens/step | same tokens as ar | search / decode | skipped attn / MLP |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in records:
         lines.append(
-            f"| {r.doc_id} | {r.context_tokens} | {r.strategy} | {r.dtype} | {r.tokens_per_s:.1f} "
+            f"| {r.doc_id} | {r.context_tokens} | {r.strategy} | {r.dtype} | {r.batch_size} | {r.tokens_per_s:.1f} "
             f"| {r.speedup_vs_ar:.2f}× | {r.prefill_s:.2f} | {r.acceptance_rate:.2f} | {r.mean_accepted_len:.2f} "
             f"| {'yes' if r.tokens_equal_ar else 'NO'} "
             f"| {'' if r.dp_overhead_frac is None else f'{r.dp_overhead_frac:.1%}'} "
             f"| {'' if r.skipped_attn is None else f'{r.skipped_attn:.1f} / {r.skipped_mlp:.1f}'} |"
         )
-    lines += ["", "| doc | context | dtype | 1-token forward ms | " + " | ".join(f"{k} / 1" for k in VERIFY_SIZES[1:]) + " |"]
+    lines += [
+        "",
+        "| doc | context | dtype | 1-token forward ms | " + " | ".join(f"{k} / 1" for k in VERIFY_SIZES[1:]) + " |",
+    ]
     lines.append("|---|---:|---|---:|" + "---:|" * (len(VERIFY_SIZES) - 1))
     for v in verify_rows:
         ratios = " | ".join(f"{v[f'verify_{k}_over_1']:.2f}" for k in VERIFY_SIZES[1:])
-        lines.append(f"| {v['doc_id']} | {v['context_tokens']} | {v['dtype']} | {v['t_forward_1_s'] * 1e3:.1f} | {ratios} |")
+        lines.append(
+            f"| {v['doc_id']} | {v['context_tokens']} | {v['dtype']} | {v['t_forward_1_s'] * 1e3:.1f} | {ratios} |"
+        )
     return "\n".join(lines)
 
 
@@ -512,8 +678,10 @@ def pipeline_throughput(args: argparse.Namespace) -> int:
             for i in range(args.requests)
         ]
         threads = max(1, (os.cpu_count() or 1) // stages)
-        replica = ray.remote(PipelineReplica).options(num_cpus=0, max_concurrency=max(in_flight)).remote(
-            engine_config, StrategyConfig(name), stages, 0.5, threads
+        replica = (
+            ray.remote(PipelineReplica)
+            .options(num_cpus=0, max_concurrency=max(in_flight))
+            .remote(engine_config, StrategyConfig(name), stages, 0.5, threads)
         )
         ray.get(replica.info.remote())
         params = SamplingParams()
@@ -521,7 +689,9 @@ def pipeline_throughput(args: argparse.Namespace) -> int:
         def run(k: int) -> float:
             started = time.perf_counter()
             with ThreadPoolExecutor(k) as pool:
-                outs = list(pool.map(lambda ids: ray.get(replica.generate.remote(ids, args.max_new_tokens, params)), prompts))
+                outs = list(
+                    pool.map(lambda ids: ray.get(replica.generate.remote(ids, args.max_new_tokens, params)), prompts)
+                )
             return sum(len(o["token_ids"]) for o in outs) / (time.perf_counter() - started)
 
         run(1)  # warm-up: first calls load kernels on every stage
@@ -540,8 +710,13 @@ def pipeline_throughput(args: argparse.Namespace) -> int:
         ray.shutdown()
     base = statistics.median(rates[in_flight[0]])
     rows = [
-        {"pipeline_parallel": stages, "in_flight": k, "tokens_per_s": statistics.median(v),
-         "vs_first": statistics.median(v) / base, "repeats": len(v)}
+        {
+            "pipeline_parallel": stages,
+            "in_flight": k,
+            "tokens_per_s": statistics.median(v),
+            "vs_first": statistics.median(v) / base,
+            "repeats": len(v),
+        }
         for k, v in rates.items()
     ]
     hop_ms = statistics.median(hops) * 1e3

@@ -98,3 +98,28 @@ def test_benchmark_writes_records_and_plot(tmp_path):
     table = benchmark.format_forced(out["forced_candidates"])
     assert table.count("| gao-26-109008 |") == len(out["forced_candidates"])
     assert (tmp_path / "benchmark.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_benchmark_across_batch_sizes(tmp_path):
+    """--batch-sizes: every strategy at every size on the same prompts, transformers' generate()
+    on a left-padded batch beside ours; speed-ups against ar at the same size and at size 1."""
+    benchmark = load_script()
+    code = benchmark.main(
+        [
+            "--ids", "gao-26-109008", "--context-lengths", "150", "--max-new-tokens", "6", "--repeats", "1",
+            "--strategies", "ar:fp16w,lookup:fp16w,hf:fp16w", "--batch-sizes", "1,3", "--output", str(tmp_path),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    out = json.loads((tmp_path / "benchmark.json").read_text())
+    records = {(r["strategy"], r["batch_size"]): r for r in out["records"]}
+    assert set(records) == {(name, size) for name in ("ar", "lookup", "hf") for size in (1, 3)}
+    assert records[("ar", 3)]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert records[("ar", 1)]["speedup_vs_batch1"] == pytest.approx(1.0)
+    assert records[("ar", 3)]["speedup_vs_batch1"] > 0
+    for (name, _), r in records.items():
+        assert r["tokens_per_s"] > 0
+        if name != "hf":  # generate() in fp16w rounds its own way
+            assert r["tokens_equal_ar"], r
+    assert "lookup:fp16w@3" in out["summary"]
