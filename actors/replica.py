@@ -8,7 +8,6 @@ same `generate` call.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -65,9 +64,9 @@ class EngineReplica:
         if REGISTRY[strategy.name].searching:
             # Measured now, before any batch runs beside the timer.
             self.engine.latency  # noqa: B018
-        self.server = None
+        self.lanes: list[BatchingThread] = []
         if REGISTRY[strategy.name].build is not None:
-            self.server = BatchingThread(self.engine.batcher(max_batch))
+            self.lanes = [BatchingThread(self.engine.batcher(max_batch))]
         self._one_at_a_time = threading.Lock()
         self.load_s = time.perf_counter() - started
 
@@ -88,8 +87,9 @@ class EngineReplica:
         import torch
 
         prompt = torch.tensor(prompt_ids, dtype=torch.long)
-        if self.server is not None:
-            result = self.server.generate(self.engine.request(prompt, self.strategy, max_new_tokens, params))
+        if self.lanes:
+            lane = min(self.lanes, key=lambda lane: lane.batcher.num_requests)
+            result = lane.generate(self.engine.request(prompt, self.strategy, max_new_tokens, params))
         else:
             with self._one_at_a_time:
                 result = self.engine.generate(prompt, self.strategy, max_new_tokens, params)
@@ -110,9 +110,11 @@ class PipelineReplica(EngineReplica):
     """One model replica as a coordinator over pipeline stages (ShardActors).
 
     The draft/verify loop, the drafters and the search run here unchanged; the stages hold
-    the layers and the KV caches. A request that loses a stage (it died and was restarted
-    without its caches) is run again from the start: greedy and seeded decoding replay, so
-    its output does not change.
+    the layers and the KV caches. Requests decode in batches of up to `max_batch`, one batch
+    per stage in flight ("lanes", each its own decode thread): while one lane's packed rows
+    are in stage 1, another's are in stage 0. A request that loses a stage (it died and was
+    restarted without its caches) is run again from the start: greedy and seeded decoding
+    replay, so its output does not change.
     """
 
     RETRIES = 2
@@ -126,12 +128,14 @@ class PipelineReplica(EngineReplica):
         num_threads: int | None = None,
         group=None,
         tensor_parallel: int = 1,
+        max_batch: int = 1,
     ) -> None:
         """`group`: a placement group with a bundle per stage (actors.shard.stage_bundles),
         reserved and removed by the caller, so it outlives this actor's restarts and dies with
         the pool; without one the stages reserve their own, removed by `shutdown`."""
         from actors.profiler import calibrate_pipeline
         from actors.shard import start_pipeline
+        from pipeline.decoding.serving import BatchingThread
         from pipeline.engine import REGISTRY, SEARCHING_STRATEGIES
         from pipeline.model import checkpoint
         from pipeline.model.linear import resolve_compute_mode
@@ -168,9 +172,8 @@ class PipelineReplica(EngineReplica):
             engine_config = replace(engine_config, latency=latency)
         self.engine = Engine(engine_config, model=self.pipeline)
         self.strategy = strategy
-        # The stages run one request's rows per call: requests overlap across stages instead.
-        self.server, self.max_batch = None, 1
-        self._one_at_a_time = contextlib.nullcontext()
+        self.max_batch = max_batch
+        self.lanes = [BatchingThread(self.engine.batcher(max_batch), name=f"lane-{k}") for k in range(num_stages)]
         self.load_s = time.perf_counter() - started
         self.num_threads = num_threads
         self.tensor_parallel = tensor_parallel
@@ -183,6 +186,7 @@ class PipelineReplica(EngineReplica):
             "max_context": self.engine.model.max_context,
             "threads": self.num_threads or 0,  # per stage
             "stages": len(self.stages),
+            "max_batch": self.max_batch,
             "load_s": self.load_s,
             "retried_requests": self.retried,
             "pid": os.getpid(),
@@ -225,8 +229,6 @@ class PipelineReplica(EngineReplica):
                 )
                 self.retried += 1
                 self._wait_for_stages()
-            finally:
-                self.pipeline.free_all()
         raise AssertionError("unreachable")
 
 
@@ -237,8 +239,7 @@ class ReplicaResources:
     num_threads: int | None = None  # torch threads per replica; None: Ray's default for the reservation
     pipeline_parallel: int = 1  # stages per replica
     tensor_parallel: int = 1  # ranks per stage; each rank gets num_cpus / (stages × ranks)
-    requests_in_flight: int = 4  # per pipelined replica
-    max_batch: int = 1  # requests decoded in one batch per single-process replica
+    max_batch: int = 1  # requests decoded in one batch (per stage in flight, for a pipelined replica)
 
 
 class ReplicaPool:
@@ -272,13 +273,13 @@ class ReplicaPool:
             ]
         else:
             # The coordinator keeps the loop's books and waits on its stages; they hold the CPUs.
-            # Several requests at once, a thread each, keep all stages busy: while one request's
-            # tokens are in stage 1, another's are in stage 0.
+            # One batch per stage in flight keeps all stages busy: while one batch's rows are in
+            # stage 1, another's are in stage 0.
             actor = ray.remote(PipelineReplica).options(
                 num_cpus=0,
                 max_restarts=MAX_RESTARTS,
                 max_task_retries=MAX_TASK_RETRIES,
-                max_concurrency=resources.requests_in_flight,
+                max_concurrency=2 * stages * resources.max_batch + 1,
             )
             # Each replica's stages in a placement group of the pool's: it outlives a coordinator's
             # restart, and the pool removes it (a group reserved by an actor would outlive it).
@@ -290,7 +291,9 @@ class ReplicaPool:
             what = f"({stages} pipeline stage(s) × {ranks} tensor-parallel rank(s))"
             self.groups = [reserve(bundles, "PACK", start_timeout_s, f"replica {i} {what}") for i in range(count)]
             self.handles = [
-                actor.remote(engine_config, strategy, stages, rank_cpus, resources.num_threads, group, ranks)
+                actor.remote(
+                    engine_config, strategy, stages, rank_cpus, resources.num_threads, group, ranks, resources.max_batch
+                )
                 for group in self.groups
             ]
         ready, pending = ray.wait([h.info.remote() for h in self.handles], num_returns=count, timeout=start_timeout_s)

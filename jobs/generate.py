@@ -282,8 +282,6 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
     sharded = args.pipeline_parallel > 1 or args.tensor_parallel > 1
-    if sharded and args.max_batch > 1 and len(documents) > 1:
-        raise ConfigError("a pipeline- or tensor-parallel model decodes one request at a time; use --max-batch 1")
     if sharded:
         engine = _sharded_engine(args, config)
     else:
@@ -322,7 +320,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         ", ".join(i for i, _ in documents),
         strategy.name,
     )
-    if len(prompts) == 1 or sharded:
+    if len(prompts) == 1:
         results = [engine.generate(p.token_ids, strategy, args.max_new_tokens, params) for p in prompts]
     else:
         ids_only = [p.token_ids for p in prompts]

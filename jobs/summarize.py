@@ -124,13 +124,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-batch",
         type=positive_int,
         default=DEFAULT_MAX_BATCH,
-        help=f"requests one replica decodes together in one batch (default {DEFAULT_MAX_BATCH}; "
-        "a pipelined replica overlaps requests across its stages instead)",
+        help=f"requests one replica decodes together in one batch (default {DEFAULT_MAX_BATCH}); a pipelined "
+        "replica keeps one batch per stage in flight",
     )
     cluster.add_argument(
         "--documents-in-flight",
         type=positive_int,
-        help="documents summarized at once (default: --max-batch per replica, 2 per stage when pipelined)",
+        help="documents summarized at once (default: --max-batch per replica and stage)",
     )
     parser.add_argument("--cache-dir", type=Path, help="where the embedded model's safetensors copy lives")
     parser.add_argument("--quiet", action="store_true", help="log warnings only")
@@ -218,7 +218,6 @@ def run(args: argparse.Namespace) -> int:
             num_threads=threads,
             pipeline_parallel=args.pipeline_parallel,
             tensor_parallel=args.tensor_parallel,
-            requests_in_flight=2 * args.pipeline_parallel,
             max_batch=args.max_batch,
         )
 
@@ -250,9 +249,8 @@ def run(args: argparse.Namespace) -> int:
             max_prompt_tokens=min(args.max_chunk_tokens, pool.max_context - args.max_new_tokens),
             params=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
         )
-        sharded = args.pipeline_parallel > 1 or args.tensor_parallel > 1
-        per_replica = 2 * args.pipeline_parallel if sharded else args.max_batch
-        in_flight = args.documents_in_flight or args.replicas * per_replica
+        # Enough documents to fill every batch: a pipelined replica has one in flight per stage.
+        in_flight = args.documents_in_flight or args.replicas * args.pipeline_parallel * args.max_batch
         actors = -(-in_flight // DOCUMENTS_PER_ACTOR)
         summaries = documents.map_batches(
             SummarizeBatch,

@@ -17,7 +17,8 @@ from pipeline.decoding.sampling import SamplingParams, accept_greedy, accept_sam
 from pipeline.decoding.stats import GenerationStats
 from pipeline.errors import ConfigError
 from pipeline.model.kv_cache import KVCache
-from pipeline.model.sublayer_model import RequestRows, SublayerModel
+from pipeline.model.packing import RequestRows
+from pipeline.model.sublayer_model import SublayerModel
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from pipeline.decoding.loop import DecodeConfig, DecodingRequest, GenerationResu
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.errors import ConfigError
 from pipeline.model.kv_cache import KVCache
-from pipeline.model.sublayer_model import RequestRows
+from pipeline.model.packing import RequestRows
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,8 @@ class ContinuousBatcher:
             logger.exception("A batched forward of %d requests failed", len(blocks))
             finished += [self._fail(ticket, e) for ticket, _, _ in pairs]
             if chunk is not None:
-                finished.append(self._fail(self.prefilling.popleft().ticket, e))
+                failed = self.prefilling.popleft()
+                finished.append(self._fail(failed.ticket, e, failed.cache))
             return finished
         seconds = time.perf_counter() - started
         self.steps += 1
@@ -184,10 +185,14 @@ class ContinuousBatcher:
 
     def abort(self) -> None:
         """Drop every request (their caches go with them)."""
+        caches = [p.cache for p in self.prefilling] + [r.cache for r in self.running.values()]
         self.waiting.clear()
         self.prefilling.clear()
         self.running.clear()
         self._reserved.clear()
+        release = getattr(self.model, "release", None)
+        for cache in caches if release is not None else ():
+            release(cache)
 
     # -------------------------------------------------------------- helpers
 
@@ -227,11 +232,18 @@ class ContinuousBatcher:
         return []
 
     def _finish(self, ticket: int, request: DecodingRequest) -> Finished:
-        self.running.pop(ticket, None)
-        self._reserved.pop(ticket, None)
+        self._leave(ticket, request.cache)
         return Finished(ticket, result=request.result())
 
-    def _fail(self, ticket: int, error: BaseException) -> Finished:
+    def _fail(self, ticket: int, error: BaseException, cache=None) -> Finished:
+        request = self.running.get(ticket)
+        self._leave(ticket, request.cache if request is not None else cache)
+        return Finished(ticket, error=error)
+
+    def _leave(self, ticket: int, cache) -> None:
         self.running.pop(ticket, None)
         self._reserved.pop(ticket, None)
-        return Finished(ticket, error=error)
+        # A model whose caches live elsewhere (pipeline stages) frees them when told.
+        release = getattr(self.model, "release", None)
+        if release is not None and cache is not None:
+            release(cache)

@@ -33,6 +33,7 @@ from pipeline.model.layers import (
     ungroup,
 )
 from pipeline.model.linear import ComputeMode, Linear
+from pipeline.model.packing import RequestRows, check_logit_choices, packed_logits
 from pipeline.model.spec import ModelSpec
 
 
@@ -46,18 +47,6 @@ class LayerWeights:
     post_norm: torch.Tensor  # [d]
     gate_up: Linear  # d -> 2 * intermediate
     down: Linear  # intermediate -> d
-
-
-@dataclass(frozen=True)
-class RequestRows:
-    """One request's rows in a batched forward: `token_ids` [T] at positions [start, start + T)
-    of its own cache (T = 1 to decode, 1 + γ to verify, a chunk to prefill). `logits`: which of
-    its rows need logits ("all", "last", "none"); None takes the forward's choice."""
-
-    cache: KVCache
-    token_ids: torch.Tensor
-    start: int
-    logits: str | None = None
 
 
 @dataclass
@@ -215,49 +204,43 @@ class SublayerModel:
         as its `RequestRows.logits` says, else as `logits` does (a prefill chunk rides along with
         decode rows and needs none but its last).
         """
-        if not blocks:
-            raise ConfigError("a batched forward needs at least one request")
-        wanted = [block.logits or logits for block in blocks]
-        for choice in wanted:
-            if choice not in ("all", "last", "none"):
-                raise ConfigError(f"logits must be 'all', 'last' or 'none', got {choice!r}")
+        wanted = check_logit_choices(blocks, logits)
         sizes = [block.token_ids.shape[0] for block in blocks]
-        offsets = [0, *itertools.accumulate(sizes)]
-        for block, size in zip(blocks, sizes):
-            block.cache.check_room(block.start + size)
-        cos, sin = self._rotary_tables(max(block.start + size for block, size in zip(blocks, sizes)))
-        positions = torch.cat([torch.arange(b.start, b.start + n, device=self.device) for b, n in zip(blocks, sizes)])
-        cos, sin = cos[positions], sin[positions]  # [M, head_dim]: each row at its own request's position
-        masks = [block_mask(n, b.start, self.device) for b, n in zip(blocks, sizes)]
         h = self.embed[torch.cat([block.token_ids for block in blocks]).to(self.device)]  # [M, d]
+        h = self.run_layers_batch([(b.cache, b.start, n) for b, n in zip(blocks, sizes)], h, skip)
+        return self.batch_logits(h, wanted, sizes)
+
+    @torch.inference_mode()
+    def run_layers_batch(
+        self, spans: Sequence[tuple[KVCache, int, int]], h: torch.Tensor, skip: Collection[int] = ()
+    ) -> torch.Tensor:
+        """The packed residual stream [M, d] of several requests through every item not in `skip`;
+        `spans` gives each request's (cache, start, rows) in the order of the rows."""
+        offsets = [0, *itertools.accumulate(n for _, _, n in spans)]
+        for cache, start, n in spans:
+            cache.check_room(start + n)
+        cos, sin = self._rotary_tables(max(start + n for _, start, n in spans))
+        positions = torch.cat([torch.arange(start, start + n, device=self.device) for _, start, n in spans])
+        cos, sin = cos[positions], sin[positions]  # [M, head_dim]: each row at its own request's position
+        masks = [block_mask(n, start, self.device) for _, start, n in spans]
         for i, layer in enumerate(self.layers):
             attn_item, mlp_item = items.layer_items(i)
             if attn_item not in skip:
                 q, k, v = self._qkv(layer, h, 1, h.shape[0], cos, sin)  # [1, M, heads, head_dim]
                 out = torch.cat(
                     [
-                        self._attend(i, q[0, a:e], k[0, a:e], v[0, a:e], block.cache, block.start, mask)
-                        for block, a, e, mask in zip(blocks, offsets, offsets[1:], masks)
+                        self._attend(i, q[0, a:e], k[0, a:e], v[0, a:e], cache, start, mask)
+                        for (cache, start, _), a, e, mask in zip(spans, offsets, offsets[1:], masks)
                     ]
                 )
                 h = h + self._reduced(layer.o(out))
             if mlp_item not in skip:
                 h = h + self._mlp(layer, h)
-        return self._batch_logits(h, wanted, offsets)
+        return h
 
-    def _batch_logits(self, h: torch.Tensor, wanted: list[str], offsets: list[int]) -> list[torch.Tensor | None]:
-        """The LM head once over the rows that need logits, split back per request."""
-        if all(choice == "all" for choice in wanted):
-            return list(self.logits(h).split([e - a for a, e in zip(offsets, offsets[1:])]))
-        rows = [
-            range(a, e) if choice == "all" else range(e - 1, e) if choice == "last" else range(0)
-            for choice, a, e in zip(wanted, offsets, offsets[1:])
-        ]
-        if not any(rows):
-            return [None] * len(wanted)
-        index = torch.tensor([row for block in rows for row in block], device=self.device)
-        parts = iter(self.logits(h[index]).split([len(block) for block in rows if block]))
-        return [next(parts) if block else None for block in rows]
+    def batch_logits(self, h: torch.Tensor, wanted: Sequence[str], sizes: Sequence[int]) -> list[torch.Tensor | None]:
+        """The LM head once over the packed rows [M, d] that need logits, split back per request."""
+        return packed_logits(self.logits, h, wanted, sizes)
 
     @torch.inference_mode()
     def run_layers(

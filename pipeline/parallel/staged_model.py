@@ -12,10 +12,8 @@ unchanged and produces the same tokens. Only token ids and hidden states cross s
 A stage whose items a draft skips entirely (and that holds neither the embeddings nor
 the head) is bypassed: no hop.
 
-Stages are reached through links: `LocalLink` calls a StageModel in this process (tests,
-one machine), `actors.shard.RayLink` calls a ShardActor; both return values or futures
-that the next stage can take as arguments, so a forward chains stages without waiting
-in between.
+Stages are reached through links (pipeline/parallel/links.py). `forward_batch` sends the
+packed rows of several requests from stage to stage as one tensor, for continuous batching.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ import logging
 import threading
 from collections.abc import Collection, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -37,9 +35,11 @@ from pipeline.model import checkpoint
 from pipeline.model.context import check_context, prefill_in_chunks
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.linear import ComputeMode
+from pipeline.model.packing import RequestRows, check_logit_choices
 from pipeline.model.spec import ModelSpec
 from pipeline.model.sublayer_model import ForwardOutput, SublayerModel
 from pipeline.parallel.layout import LAYER_PREFIX, StageLayout, partition_layers, stage_layouts, stage_tensor_filter
+from pipeline.parallel.links import LocalLink, StageLink
 from pipeline.parallel.tensor_parallel import shard_config, shard_reader
 
 logger = logging.getLogger(__name__)
@@ -112,6 +112,26 @@ class StageModel:
             return self.local.logits(h[-1:] if logits == "last" else h), hidden
         return h, hidden
 
+    def forward_batch(
+        self,
+        request_ids: Sequence[str],
+        inputs: torch.Tensor,
+        starts: Sequence[int],
+        sizes: Sequence[int],
+        skip: Collection[int],
+        logits: Sequence[str] | None,
+    ) -> torch.Tensor | list[torch.Tensor | None]:
+        """Several requests' packed rows: token ids (stage 0) or the residual stream [M, d] in;
+        out the residual stream, or on the last stage each request's logits (`logits`: each
+        one's choice; None on the other stages)."""
+        local_skip = {self.layout.local_item(item) for item in skip if item in self.layout.items}
+        h = self.local.embed_tokens(inputs) if self.layout.has_embeddings else inputs
+        spans = [(self.caches[r], start, n) for r, start, n in zip(request_ids, starts, sizes)]
+        h = self.local.run_layers_batch(spans, h, local_skip)
+        if self.layout.has_head and logits is not None:
+            return self.local.batch_logits(h, logits, sizes)
+        return h
+
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.local.embed_tokens(token_ids)
 
@@ -169,30 +189,6 @@ def _local_view(config, spec: ModelSpec, layout: StageLayout, tensors: dict[str,
     return local_config, local
 
 
-# ------------------------------------------------------------------------------- links
-
-
-class StageLink(Protocol):
-    """How the pipeline reaches a stage: `call` returns a value or a future of it."""
-
-    def call(self, method: str, *args: Any, num_returns: int = 1) -> Any: ...
-
-    def get(self, value: Any) -> Any: ...
-
-
-class LocalLink:
-    """A stage in this process."""
-
-    def __init__(self, stage: StageModel) -> None:
-        self.stage = stage
-
-    def call(self, method: str, *args: Any, num_returns: int = 1) -> Any:
-        return getattr(self.stage, method)(*args)
-
-    def get(self, value: Any) -> Any:
-        return value
-
-
 # ---------------------------------------------------------------------------- pipeline
 
 
@@ -243,7 +239,9 @@ class PipelineModel:
         max_context: int,
         prefill_chunk: int,
         device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
     ) -> None:
+        """`dtype`: the stages' activations, as their caches hold them (a batch's KV budget)."""
         if [(lay.first_layer, lay.end_layer) for lay in layouts] != partition_layers(spec.num_layers, len(layouts)):
             raise ConfigError("pipeline stages must cover the model's layers in order")
         self.links = list(links)
@@ -251,6 +249,7 @@ class PipelineModel:
         self.spec = spec
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
+        self.dtype = dtype
         self.device = torch.device(device)
         self.hops = 0  # stage-to-stage transfers, for tests and statistics
         # Caches made on the stages, per calling thread: a coordinator serving several requests
@@ -264,7 +263,7 @@ class PipelineModel:
         layouts = stage_layouts(spec.num_layers, num_stages)
         stages = [StageModel(path, layout, mode, device) for layout in layouts]
         last = stages[-1].local
-        return cls([LocalLink(s) for s in stages], layouts, spec, last.max_context, last.prefill_chunk, device)
+        return cls([LocalLink(s) for s in stages], layouts, spec, last.max_context, last.prefill_chunk, device, last.dtype)
 
     def new_cache(self, capacity: int) -> PipelineCache:
         check_context(capacity, self.max_context)
@@ -278,6 +277,12 @@ class PipelineModel:
         if not hasattr(self._live, "ids"):
             self._live.ids = set()
         self._live.ids.add(request_id)
+
+    def release(self, cache: PipelineCache) -> None:
+        """Drop one request's caches on every stage (a batch frees each request as it leaves)."""
+        for link in self.links:
+            link.call("free", cache.request_id)
+        getattr(self._live, "ids", set()).discard(cache.request_id)
 
     def free_all(self) -> None:
         """Drop the stage caches this thread made (a coordinator does so after each request)."""
@@ -320,6 +325,29 @@ class PipelineModel:
             embedded = self.embed_tokens(token_ids)
             hidden_states = torch.cat([embedded[None], *parts])
         return ForwardOutput(logits=out if logits != "none" else None, hidden_states=hidden_states)
+
+    @torch.inference_mode()
+    def forward_batch(
+        self, blocks: Sequence[RequestRows], skip: Collection[int] = (), logits: str = "all"
+    ) -> list[torch.Tensor | None]:
+        """SublayerModel.forward_batch over the stages: the packed rows of every request go from
+        stage to stage as one tensor, each stage attending per request over its own caches."""
+        wanted = check_logit_choices(blocks, logits)
+        sizes = [block.token_ids.shape[0] for block in blocks]
+        for block, size in zip(blocks, sizes):
+            block.cache.check_room(block.start + size)
+        ids = [block.cache.request_id for block in blocks]
+        starts = [block.start for block in blocks]
+        skip = frozenset(skip)
+        x: Any = torch.cat([block.token_ids for block in blocks])
+        last = len(self.links) - 1
+        for k, (link, layout) in enumerate(zip(self.links, self.layouts)):
+            if 0 < k < last and all(item in skip for item in layout.items):
+                continue  # a stage the draft skips entirely: no hop
+            x = link.call("forward_batch", ids, x, starts, sizes, skip, wanted if k == last else None)
+            if k > 0:
+                self.hops += 1
+        return self.links[-1].get(x)
 
     @torch.inference_mode()
     def prefill(self, cache: PipelineCache, token_ids: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from pipeline.errors import ConfigError, KnapSpecError
 from pipeline.model.linear import fp16w_available
-from pipeline.model.sublayer_model import RequestRows
+from pipeline.model.packing import RequestRows
 from tests.builders import load_tiny, sample_documents
 
 NEAR_TIE = 1e-4

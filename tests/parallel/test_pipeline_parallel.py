@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from pipeline.decoding.drafters import LayerSkipDrafter, NoDraft
+from pipeline.decoding.loop import DecodeConfig
 from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest
 from pipeline.errors import ConfigError
 from pipeline.knapspec.drafter import KnapSpecDrafter
 from pipeline.knapspec.knapsack import KnapsackProblem, run_knapsack
@@ -20,12 +22,15 @@ from pipeline.parallel.staged_model import PipelineModel, StageModel
 from tests.builders import (
     SAMPLE_DOCS,
     SEARCH_CONFIG,
+    assert_same_or_near_tie,
     generate,
     items_skipped_per_stage,
     load_tiny,
     make_tiny_chat_checkpoint,
     make_tiny_checkpoint,
+    mixed_drafters,
     random_prompt,
+    repeating_prompt,
     synthetic_latency,
 )
 from tests.slow_device import slow_down, slowed
@@ -35,8 +40,6 @@ from tests.slow_device import slow_down, slowed
 def six_layers(tmp_path_factory):
     """Six layers, two of them quiet, so that drafts skipping them agree with the full model."""
     return make_tiny_checkpoint(tmp_path_factory.mktemp("six"), "llama", num_hidden_layers=6, quiet_layers=(2, 3))
-
-
 
 
 def test_partition_is_contiguous_and_even():
@@ -102,7 +105,9 @@ def test_the_dp_runs_on_each_stage_on_a_frontier_passed_along(six_layers, num_st
     pipeline.prefill(pcache, ids[:48])
     calls = []
     for link in pipeline.links:
-        monkeypatch.setattr(link, "call", lambda method, *a, _call=link.call, **k: calls.append(method) or _call(method, *a, **k))
+        monkeypatch.setattr(
+            link, "call", lambda method, *a, _call=link.call, **k: calls.append(method) or _call(method, *a, **k)
+        )
 
     problem = knapsack_problem(layer_rows)
     got = pipeline.run_knapsack(pcache, ids[48:], problem, 48, layer_rows)
@@ -127,6 +132,28 @@ def test_greedy_tokens_equal_the_single_process_engine(six_layers, num_stages, s
         ids = random_prompt(seed)
         reference = generate(whole, ids, NoDraft())
         assert generate(pipeline, ids, drafter()) == reference
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_batches_through_stages_keep_each_requests_tokens(six_layers, num_stages):
+    """Continuous batching over stages: packed rows go from stage to stage, requests join and
+    leave, and each request's tokens are the whole model's alone; a request that leaves frees
+    its caches on every stage."""
+    _, whole = load_tiny(six_layers)
+    pipeline = PipelineModel.local(six_layers, num_stages, ComputeMode.FP32)
+    prompts = [repeating_prompt(n, seed) for seed, n in enumerate((5, 70, 33, 2, 50))]
+    limits = [30, 12, 25, 1, 18]
+    batcher = ContinuousBatcher(pipeline, max_batch=3, prefill_chunk=16)
+    tickets = [
+        batcher.submit(GenerationRequest(p, DecodeConfig(m), SamplingParams(), d))
+        for p, m, d in zip(prompts, limits, mixed_drafters(whole))
+    ]
+    done = {finished.ticket: finished for finished in batcher.run()}
+    for ticket, prompt, limit in zip(tickets, prompts, limits):
+        assert done[ticket].error is None, done[ticket].error
+        expected = generate(whole, prompt, NoDraft(), max_new=limit)
+        assert_same_or_near_tie(whole, prompt, done[ticket].result.token_ids, expected)
+    assert all(link.stage.caches == {} for link in pipeline.links)
 
 
 def test_a_stage_whose_items_are_all_skipped_is_bypassed(six_layers):
@@ -164,7 +191,8 @@ class TestRayStages:
         try:
             for strategy in ("ar", "knapspec"):
                 drafter = (
-                    NoDraft() if strategy == "ar"
+                    NoDraft()
+                    if strategy == "ar"
                     else KnapSpecDrafter(synthetic_latency(whole.spec.num_layers, verify_growth=0.0), SEARCH_CONFIG)
                 )
                 ids = random_prompt(3)
@@ -188,9 +216,9 @@ class TestRayStages:
         assert ray.util.placement_group_table(staged.placement_group)["state"] == "REMOVED"
 
     def test_a_killed_stage_does_not_change_the_output(self, tmp_path):
-        """Kill a stage actor while a request runs: Ray restarts it (without its caches), the
-        coordinator runs the request again from the start, and the tokens are those of an
-        undisturbed run."""
+        """Kill a stage actor while six requests run in batches (two per stage in flight): Ray
+        restarts it (without its caches), the coordinator runs the interrupted requests again
+        from the start, and the tokens are those of an undisturbed run."""
         import ray
 
         from actors.replica import PipelineReplica
@@ -198,18 +226,23 @@ class TestRayStages:
 
         model = make_tiny_chat_checkpoint(tmp_path / "model", num_hidden_layers=6)
         config = EngineConfig(model=str(model), dtype="fp32")
-        coordinator = ray.remote(PipelineReplica).options(num_cpus=0).remote(
-            config, StrategyConfig("static", skip=(4, 5, 6, 7)), 3, 0.5, 1
+        coordinator = (
+            ray.remote(PipelineReplica)
+            .options(num_cpus=0, max_concurrency=8)
+            .remote(config, StrategyConfig("static", skip=(4, 5, 6, 7)), 3, 0.5, 1, None, 1, 2)
         )
-        ids = torch.randint(300, 40000, (200,), generator=torch.Generator().manual_seed(4)).tolist()
-        expected = ray.get(coordinator.generate.remote(ids, 300, SamplingParams()))["token_ids"]
-        assert len(expected) == 300
+        prompts = [
+            torch.randint(300, 40000, (150 + 10 * i,), generator=torch.Generator().manual_seed(i)).tolist()
+            for i in range(6)
+        ]
+        expected = [ray.get(coordinator.generate.remote(ids, 200, SamplingParams()))["token_ids"] for ids in prompts]
+        assert all(len(tokens) == 200 for tokens in expected)
         middle = ray.get(coordinator.stage_handles.remote())[1]
-        running = coordinator.generate.remote(ids, 300, SamplingParams())
-        time.sleep(0.3)
+        running = [coordinator.generate.remote(ids, 200, SamplingParams()) for ids in prompts]
+        time.sleep(0.5)
         ray.kill(middle, no_restart=False)
-        assert ray.get(running)["token_ids"] == expected
-        assert ray.get(coordinator.info.remote())["retried_requests"] == 1  # the kill did interrupt it
+        assert [out["token_ids"] for out in ray.get(running)] == expected
+        assert ray.get(coordinator.info.remote())["retried_requests"] >= 1  # the kill did interrupt them
         assert ray.get(middle.info.remote())["layers"] == (2, 4)  # restarted, same layers
         ray.get(coordinator.shutdown.remote())
         ray.kill(coordinator)
@@ -227,8 +260,8 @@ class TestRayStages:
         ids = torch.randint(300, 40000, (120,), generator=torch.Generator().manual_seed(6)).tolist()
         single = EngineReplica(config, StrategyConfig("ar"), 1)
         expected = single.generate(ids, 40, SamplingParams())["token_ids"]
-        coordinator = ray.remote(PipelineReplica).options(num_cpus=0).remote(
-            config, StrategyConfig("knapspec"), 2, 0.5, 1
+        coordinator = (
+            ray.remote(PipelineReplica).options(num_cpus=0).remote(config, StrategyConfig("knapspec"), 2, 0.5, 1)
         )
         try:
             assert ray.get(coordinator.generate.remote(ids, 40, SamplingParams()))["token_ids"] == expected
@@ -282,10 +315,29 @@ def test_generate_cli_through_pipeline_stages(tmp_path):
 
     def run(*extra):
         result = subprocess.run(
-            [sys.executable, str(REPO / "jobs" / "generate.py"), "--input", str(SAMPLE_DOCS), "--id", "crs-r48179",
-             "--model", str(model), "--max-context", "300", "--max-new-tokens", "12", "--dtype", "fp32",
-             "--json", "--quiet", *extra],
-            capture_output=True, text=True, timeout=300, cwd=REPO,
+            [
+                sys.executable,
+                str(REPO / "jobs" / "generate.py"),
+                "--input",
+                str(SAMPLE_DOCS),
+                "--id",
+                "crs-r48179",
+                "--model",
+                str(model),
+                "--max-context",
+                "300",
+                "--max-new-tokens",
+                "12",
+                "--dtype",
+                "fp32",
+                "--json",
+                "--quiet",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
         )
         assert result.returncode == 0, result.stderr[-2000:]
         return json.loads(result.stdout)["token_ids"]
@@ -323,5 +375,3 @@ def test_a_slower_stage_gets_more_of_its_items_skipped(tmp_path, slow):
 
     skipped = items_skipped_per_stage(pipeline, weights)
     assert skipped[slow] > skipped[fast], skipped
-
-

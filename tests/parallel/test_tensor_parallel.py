@@ -135,13 +135,32 @@ def test_two_ranks_give_the_whole_models_logits_and_tokens(model_path, num_stage
     h = torch.randn(3, 4, whole.spec.hidden_size)
     for item in (0, 3, 6):  # attention and MLP branches of the DP
         torch.testing.assert_close(
-            pipeline.run_item_branches(item, h, pcache, 48), whole.run_item_branches(item, h, cache, 48),
-            rtol=1e-4, atol=1e-4,
+            pipeline.run_item_branches(item, h, pcache, 48),
+            whole.run_item_branches(item, h, cache, 48),
+            rtol=1e-4,
+            atol=1e-4,
         )
     reference = generate(whole, ids, NoDraft())
     assert generate(pipeline, ids, NoDraft()) == reference
     drafter = KnapSpecDrafter(synthetic_latency(whole.spec.num_layers, verify_growth=0.0), SEARCH_CONFIG)
     assert generate(pipeline, ids, drafter) == reference
+
+
+def test_ranks_decode_a_batch_like_the_whole_model(model_path):
+    """Packed rows of several requests through two stages of two ranks each (the partial sums
+    all-reduced over the whole packed tensor): each request keeps its tokens."""
+    from pipeline.decoding.loop import DecodeConfig
+    from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest
+    from tests.builders import assert_same_or_near_tie
+
+    _, whole = load_tiny(model_path)
+    pipeline = threaded_pipeline(model_path, 2, 2)
+    prompts = [random_prompt(seed, n) for seed, n in enumerate((30, 48, 12))]
+    batcher = ContinuousBatcher(pipeline, max_batch=3, prefill_chunk=16)
+    tickets = [batcher.submit(GenerationRequest(p, DecodeConfig(20))) for p in prompts]
+    done = {finished.ticket: finished for finished in batcher.run()}
+    for ticket, prompt in zip(tickets, prompts):
+        assert_same_or_near_tie(whole, prompt, done[ticket].result.token_ids, generate(whole, prompt, NoDraft(), 20))
 
 
 @pytest.fixture(scope="class")
@@ -210,8 +229,8 @@ def test_a_lost_rank_fails_the_request_with_a_clear_error(tmp_path):
     try:
         model = make_tiny_chat_checkpoint(tmp_path / "model", num_hidden_layers=2)
         config = EngineConfig(model=str(model), dtype="fp32")
-        coordinator = ray.remote(PipelineReplica).options(num_cpus=0).remote(
-            config, StrategyConfig("ar"), 1, 0.5, 1, None, 2
+        coordinator = (
+            ray.remote(PipelineReplica).options(num_cpus=0).remote(config, StrategyConfig("ar"), 1, 0.5, 1, None, 2)
         )
         ids = torch.randint(300, 40000, (200,), generator=torch.Generator().manual_seed(4)).tolist()
         rank = ray.get(coordinator.stage_handles.remote())[1]  # loaded, the group formed
@@ -227,8 +246,8 @@ def test_a_lost_rank_fails_the_request_with_a_clear_error(tmp_path):
 
 @pytest.mark.ray
 def test_requests_in_flight_share_a_group_without_deadlock(tmp_path):
-    """Several requests at once through one coordinator (a thread each) keep every rank's
-    collectives in one order: all finish, each with the single-process tokens."""
+    """Several requests at once through one coordinator (two lanes, batches of two) keep every
+    rank's collectives in one order: all finish, each with the single-process tokens."""
     import ray
 
     from actors.replica import EngineReplica, PipelineReplica
@@ -245,8 +264,10 @@ def test_requests_in_flight_share_a_group_without_deadlock(tmp_path):
     expected = [single.generate(ids, 40, SamplingParams())["token_ids"] for ids in prompts]
     ray.init(address="local", num_cpus=2, include_dashboard=False)
     try:
-        coordinator = ray.remote(PipelineReplica).options(num_cpus=0, max_concurrency=3).remote(
-            config, StrategyConfig("ar"), 2, 0.5, 1, None, 2
+        coordinator = (
+            ray.remote(PipelineReplica)
+            .options(num_cpus=0, max_concurrency=3)
+            .remote(config, StrategyConfig("ar"), 2, 0.5, 1, None, 2, 2)
         )
         running = [coordinator.generate.remote(ids, 40, SamplingParams()) for ids in prompts]
         assert [out["token_ids"] for out in ray.get(running, timeout=240)] == expected
