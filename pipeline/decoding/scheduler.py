@@ -6,8 +6,10 @@ verify rows of every running request (its pending token and its own draft, of it
 length or none) and, when a request is being prefilled, the next chunk of its prompt. So a
 running request never waits more than one chunk for a long prompt, and a prompt's rows
 share the linears with the decode rows. Admission is first come, first served, up to
-`max_batch` requests and a KV-memory budget: each cache is sized to its prompt and answer
-when the request is admitted; one that could never fit is refused at `submit`.
+`max_batch` requests and a KV-memory budget: each request is counted at its prompt and
+answer when admitted; one that could never fit is refused at `submit`. Where the model has
+one, the caches are slots of one KV pool (pipeline/model/kv_pool.py), so that one attention
+serves every decoding request of a step.
 
 The batcher is pure of threads; `pipeline.decoding.serving` drives it from one.
 """
@@ -26,9 +28,14 @@ from pipeline.decoding.loop import DecodeConfig, DecodingRequest, GenerationResu
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.errors import ConfigError
 from pipeline.model.kv_cache import KVCache
+from pipeline.model.kv_pool import KVPool, PooledCache
 from pipeline.model.packing import RequestRows
 
 logger = logging.getLogger(__name__)
+
+# KV pool slots grow in steps of this many positions: requests of about one length share a
+# slot size without a regrowth for every few tokens more.
+POOL_STEP = 256
 
 
 @dataclass
@@ -97,6 +104,7 @@ class ContinuousBatcher:
         self._reserved: dict[int, int] = {}  # ticket -> bytes of its cache
         self._tickets = iter(range(1 << 62))
         self.steps = 0
+        self.pool: KVPool | None = None  # made at the first admission
 
     # --------------------------------------------------------------- intake
 
@@ -190,9 +198,8 @@ class ContinuousBatcher:
         self.prefilling.clear()
         self.running.clear()
         self._reserved.clear()
-        release = getattr(self.model, "release", None)
-        for cache in caches if release is not None else ():
-            release(cache)
+        for cache in caches:
+            self._release(cache)
 
     # -------------------------------------------------------------- helpers
 
@@ -204,8 +211,21 @@ class ContinuousBatcher:
                 return  # first come, first served: it waits until running requests leave
             self.waiting.popleft()
             self._reserved[ticket] = needed
-            cache = self.model.new_cache(request.positions)
-            self.prefilling.append(_Prefilling(ticket, request, cache))
+            self.prefilling.append(_Prefilling(ticket, request, self._new_cache(request.positions)))
+
+    def _new_cache(self, positions: int):
+        """A slot of the batch's KV pool where the model has one and the pool fits the budget
+        (its slots are as long as the longest request yet, in steps of POOL_STEP); else a cache
+        of its own."""
+        if not hasattr(self.model, "new_pool"):
+            return self.model.new_cache(positions)
+        capacity = min(-(-positions // POOL_STEP) * POOL_STEP, self.model.max_context)
+        if self.pool is None:
+            if self.max_batch * capacity * self.position_bytes <= self.kv_budget_bytes:
+                self.pool = self.model.new_pool(self.max_batch, capacity)
+        elif capacity > self.pool.slot_capacity and self.pool.bytes_for(capacity) > self.kv_budget_bytes:
+            return self.model.new_cache(positions)
+        return self.pool.acquire(positions) if self.pool is not None else self.model.new_cache(positions)
 
     def _next_chunk(self) -> RequestRows | None:
         if not self.prefilling:
@@ -243,6 +263,12 @@ class ContinuousBatcher:
     def _leave(self, ticket: int, cache) -> None:
         self.running.pop(ticket, None)
         self._reserved.pop(ticket, None)
+        self._release(cache)
+
+    def _release(self, cache) -> None:
+        if isinstance(cache, PooledCache):
+            cache.pool.release(cache)
+            return
         # A model whose caches live elsewhere (pipeline stages) frees them when told.
         release = getattr(self.model, "release", None)
         if release is not None and cache is not None:

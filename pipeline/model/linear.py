@@ -57,9 +57,10 @@ def resolve_compute_mode(dtype: str, device: torch.device | str) -> ComputeMode:
 
 
 def fp16w_available() -> bool:
-    return hasattr(torch.ops.quantized, "linear_prepack_fp16") and torch.backends.quantized.supported_engines.count(
-        "fbgemm"
-    ) > 0
+    return (
+        hasattr(torch.ops.quantized, "linear_prepack_fp16")
+        and torch.backends.quantized.supported_engines.count("fbgemm") > 0
+    )
 
 
 class Linear:
@@ -80,7 +81,9 @@ class Linear:
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None and x.shape[0] <= FP16W_MAX_ROWS:
+    def __call__(self, x: torch.Tensor, packed: bool | None = None) -> torch.Tensor:
+        """`packed` (fp16w mode): use the fp16 kernel (True) or the fp32 copy (False) whatever the
+        rows; None chooses by the rows. A batch passes the choice each request would get alone."""
+        if self._packed is not None and (x.shape[0] <= FP16W_MAX_ROWS if packed is None else packed):
             return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
         return F.linear(x, self.weight, self.bias)

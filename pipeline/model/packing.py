@@ -1,5 +1,6 @@
 """The rows of several requests packed into one batched forward: what each request brings,
-and how the logits of its rows come back out."""
+how the short blocks of requests in one KV pool are laid out for one attention, and how
+the logits of its rows come back out."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from pipeline.errors import ConfigError
 from pipeline.model.kv_cache import KVCache
+from pipeline.model.kv_pool import KVPool, PooledCache
 
 
 @dataclass(frozen=True)
@@ -53,3 +55,80 @@ def packed_logits(
     index = torch.tensor([row for block in rows for row in block], device=h.device)
     parts = iter(head(h[index]).split([len(block) for block in rows if block]))
     return [next(parts) if block else None for block in rows]
+
+
+@dataclass(frozen=True)
+class PooledRows:
+    """The short blocks (decode, verify) of a batch whose caches are slots of one pool, laid out
+    for one attention over slots [first, end): each slot's queries padded to `block` rows."""
+
+    pool: KVPool
+    first: int
+    end: int
+    rows: torch.Tensor  # [R]: their rows in the packed batch
+    slots: torch.Tensor  # [R]: each row's slot, and its position there (where its K/V go)
+    positions: torch.Tensor
+    padded: torch.Tensor  # [(end - first) * block]: which of the R rows fills each padded row
+    back: torch.Tensor  # [R]: each row's place among the padded rows
+    hidden: torch.Tensor  # [end - first, 1, 1, block, num_keys]: True where a query must not look
+    block: int
+    num_keys: int
+
+
+def pooled_rows(spans: Sequence[tuple[KVCache, int, int]], max_rows: int) -> tuple[PooledRows | None, list[int]]:
+    """Which spans (cache, start, rows) one pooled attention can serve — blocks shorter than
+    `max_rows` in slots of one pool, at least two of them — and its layout; the others' indices."""
+    pooled = [i for i, (cache, _, n) in enumerate(spans) if isinstance(cache, PooledCache) and n < max_rows]
+    pools = {id(spans[i][0].pool) for i in pooled}
+    if len(pooled) < 2 or len(pools) != 1:
+        return None, list(range(len(spans)))
+    pool = spans[pooled[0]][0].pool
+    device = pool.keys.device
+    first = min(spans[i][0].slot for i in pooled)
+    end = max(spans[i][0].slot for i in pooled) + 1
+    block = max(spans[i][2] for i in pooled)
+    num_keys = max(spans[i][1] + spans[i][2] for i in pooled)
+    offsets = [0, *itertools.accumulate(n for _, _, n in spans)]
+    rows, slots, positions, back = [], [], [], []
+    padded = [0] * ((end - first) * block)  # idle slots and padding read row 0: finite, then dropped
+    # Every padded query may look at key 0 (a softmax over nothing would be NaN); a real one at
+    # its prefix and its block up to itself.
+    limit = [[0] * block for _ in range(end - first)]
+    for i in pooled:
+        cache, start, n = spans[i]
+        for t in range(n):
+            place = (cache.slot - first) * block + t
+            back.append(place)
+            padded[place] = len(rows)
+            rows.append(offsets[i] + t)
+            slots.append(cache.slot)
+            positions.append(start + t)
+            limit[cache.slot - first][t] = start + t
+    keys = torch.arange(num_keys, device=device)
+    hidden = keys > torch.tensor(limit, device=device)[..., None]  # [slots, block, num_keys]
+
+    def index(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    layout = PooledRows(
+        pool, first, end, index(rows), index(slots), index(positions), index(padded), index(back),
+        hidden[:, None, None], block, num_keys,
+    )  # fmt: skip
+    return layout, [i for i in range(len(spans)) if i not in set(pooled)]
+
+
+def kernel_ranges(sizes: Sequence[int], max_packed_rows: int) -> list[tuple[int, int, bool]]:
+    """Row ranges [a, e) of a packed batch and, for each, whether its linears take the fp16w
+    kernel: a block takes it alone when it has at most `max_packed_rows` rows, and in a batch
+    it must take what it would alone (the fp32 copy rounds differently), so consecutive blocks
+    of one choice share a range."""
+    ranges: list[tuple[int, int, bool]] = []
+    at = 0
+    for n in sizes:
+        packed = n <= max_packed_rows
+        if ranges and ranges[-1][2] == packed:
+            ranges[-1] = (ranges[-1][0], at + n, packed)
+        else:
+            ranges.append((at, at + n, packed))
+        at += n
+    return ranges

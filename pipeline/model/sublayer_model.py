@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pipeline.errors import ConfigError
 from pipeline.model import items
 from pipeline.model.context import check_context, max_context_of, prefill_chunk_for, prefill_in_chunks
 from pipeline.model.kv_cache import KVCache
+from pipeline.model.kv_pool import KVPool
 from pipeline.model.layers import (
     FUSED_ATTENTION_MIN_TOKENS,
     apply_rotary,
@@ -29,24 +29,21 @@ from pipeline.model.layers import (
     group_queries,
     grouped_attention,
     later_in_block,
+    pooled_attention,
     rms_norm,
     ungroup,
 )
-from pipeline.model.linear import ComputeMode, Linear
-from pipeline.model.packing import RequestRows, check_logit_choices, packed_logits
+from pipeline.model.linear import FP16W_MAX_ROWS, ComputeMode, Linear
+from pipeline.model.packing import (
+    PooledRows,
+    RequestRows,
+    check_logit_choices,
+    kernel_ranges,
+    packed_logits,
+    pooled_rows,
+)
 from pipeline.model.spec import ModelSpec
-
-
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor  # [d]
-    qkv: Linear  # d -> (H + 2 * kv_heads) * head_dim
-    o: Linear  # H * head_dim -> d
-    q_norm: torch.Tensor | None  # [head_dim], Qwen3 only
-    k_norm: torch.Tensor | None
-    post_norm: torch.Tensor  # [d]
-    gate_up: Linear  # d -> 2 * intermediate
-    down: Linear  # intermediate -> d
+from pipeline.model.weights import LayerWeights, read_weights
 
 
 @dataclass
@@ -100,50 +97,13 @@ class SublayerModel:
 
         spec = ModelSpec.from_hf_config(config)
         device = torch.device(device)
-
-        def get(name: str) -> torch.Tensor:
-            try:
-                return tensors[name].to(device=device, dtype=torch.float32)
-            except KeyError:
-                raise ConfigError(f"checkpoint is missing tensor {name!r}") from None
-
-        def norm(name: str) -> torch.Tensor:
-            return get(name).to(mode.activation_dtype)
-
-        layers = []
-        for i in range(spec.num_layers):
-            p = f"model.layers.{i}."
-            qkv_w = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            qkv_b = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if spec.attention_bias else None
-            o_name = p + "self_attn.o_proj.bias"
-            o_b = get(o_name) if o_name in tensors else None
-            layers.append(
-                LayerWeights(
-                    input_norm=norm(p + "input_layernorm.weight"),
-                    qkv=Linear(qkv_w, qkv_b, mode),
-                    o=Linear(get(p + "self_attn.o_proj.weight"), o_b, mode),
-                    q_norm=norm(p + "self_attn.q_norm.weight") if spec.qk_norm else None,
-                    k_norm=norm(p + "self_attn.k_norm.weight") if spec.qk_norm else None,
-                    post_norm=norm(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(
-                        torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]), None, mode
-                    ),
-                    down=Linear(get(p + "mlp.down_proj.weight"), None, mode),
-                )
-            )
-        embed = get("model.embed_tokens.weight")
-        if spec.tie_word_embeddings:
-            lm_head = Linear(embed, None, mode)
-        elif "lm_head.weight" in tensors:
-            lm_head = Linear(get("lm_head.weight"), None, mode)
-        else:
-            raise ConfigError("checkpoint has no lm_head.weight and does not tie it to the embeddings")
+        weights = read_weights(spec, tensors, mode, device)
         return cls(
             spec=spec,
-            layers=layers,
-            embed=embed.to(mode.activation_dtype),
-            final_norm=norm("model.norm.weight"),
-            lm_head=lm_head,
+            layers=weights.layers,
+            embed=weights.embed,
+            final_norm=weights.final_norm,
+            lm_head=weights.lm_head,
             rotary=LlamaRotaryEmbedding(config).to(device),
             mode=mode,
             max_context=max_context_of(config, spec),
@@ -156,6 +116,12 @@ class SublayerModel:
         check_context(capacity, self.max_context)
         s = self.spec
         return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, capacity, self.dtype, self.device)
+
+    def new_pool(self, num_slots: int, slot_capacity: int) -> KVPool:
+        """Caches for a batch: `num_slots` slots of `slot_capacity` positions (kv_pool.py)."""
+        check_context(slot_capacity, self.max_context)
+        s = self.spec
+        return KVPool(s.num_layers, s.num_kv_heads, s.head_dim, num_slots, slot_capacity, self.dtype, self.device)
 
     def _rotary_tables(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         if end > self._cos.shape[0]:
@@ -222,25 +188,55 @@ class SublayerModel:
         cos, sin = self._rotary_tables(max(start + n for _, start, n in spans))
         positions = torch.cat([torch.arange(start, start + n, device=self.device) for _, start, n in spans])
         cos, sin = cos[positions], sin[positions]  # [M, head_dim]: each row at its own request's position
-        masks = [block_mask(n, start, self.device) for _, start, n in spans]
+        # Decode and verify rows of requests in one KV pool: one attention for all of them.
+        pooled, own = pooled_rows(spans, FUSED_ATTENTION_MIN_TOKENS)
+        every_row_pooled = pooled is not None and not own
+        masks = {j: block_mask(spans[j][2], spans[j][1], self.device) for j in own}
+        # Each request's rows through the kernel they would take alone (fp16w: by its own rows).
+        ranges = kernel_ranges([n for _, _, n in spans], FP16W_MAX_ROWS) if self.mode is ComputeMode.FP16W else None
         for i, layer in enumerate(self.layers):
             attn_item, mlp_item = items.layer_items(i)
             if attn_item not in skip:
-                q, k, v = self._qkv(layer, h, 1, h.shape[0], cos, sin)  # [1, M, heads, head_dim]
-                out = torch.cat(
-                    [
-                        self._attend(i, q[0, a:e], k[0, a:e], v[0, a:e], cache, start, mask)
-                        for (cache, start, _), a, e, mask in zip(spans, offsets, offsets[1:], masks)
-                    ]
-                )
-                h = h + self._reduced(layer.o(out))
+                q, k, v = (x[0] for x in self._qkv(layer, h, 1, h.shape[0], cos, sin, ranges))  # [M, heads, head_dim]
+                if pooled is None:
+                    out = torch.cat([self._attend_span(i, q, k, v, spans[j], offsets[j], masks[j]) for j in own])
+                else:
+                    pooled_out = self._attend_pooled(i, q, k, v, pooled, every_row_pooled)
+                    if every_row_pooled:
+                        out = pooled_out
+                    else:
+                        out = pooled_out.new_empty(h.shape[0], pooled_out.shape[1])
+                        out[pooled.rows] = pooled_out
+                        for j in own:
+                            out[offsets[j] : offsets[j + 1]] = self._attend_span(
+                                i, q, k, v, spans[j], offsets[j], masks[j]
+                            )
+                h = h + self._reduced(self._linear(layer.o, out, ranges))
             if mlp_item not in skip:
-                h = h + self._mlp(layer, h)
+                h = h + self._mlp(layer, h, ranges)
         return h
+
+    def _attend_span(self, index: int, q, k, v, span: tuple[KVCache, int, int], offset: int, mask) -> torch.Tensor:
+        cache, start, n = span
+        return self._attend(
+            index, q[offset : offset + n], k[offset : offset + n], v[offset : offset + n], cache, start, mask
+        )
+
+    def _attend_pooled(self, index: int, q, k, v, pooled: PooledRows, every_row: bool) -> torch.Tensor:
+        """The pooled rows' keys/values into their slots, then one attention over the slots."""
+        if not every_row:
+            q, k, v = q[pooled.rows], k[pooled.rows], v[pooled.rows]
+        pool = pooled.pool
+        pool.keys[index][pooled.slots, :, pooled.positions] = k
+        pool.values[index][pooled.slots, :, pooled.positions] = v
+        keys, values = pool.layer(index, pooled.first, pooled.end)
+        return pooled_attention(q * self._scale, keys, values, pooled, self.spec.num_kv_heads)
 
     def batch_logits(self, h: torch.Tensor, wanted: Sequence[str], sizes: Sequence[int]) -> list[torch.Tensor | None]:
         """The LM head once over the packed rows [M, d] that need logits, split back per request."""
-        return packed_logits(self.logits, h, wanted, sizes)
+        rows = [n if choice == "all" else 1 for choice, n in zip(wanted, sizes) if choice != "none"]
+        packed = all(n <= FP16W_MAX_ROWS for n in rows)  # the kernel each request's rows get alone
+        return packed_logits(lambda x: self.logits(x, packed), h, wanted, sizes)
 
     @torch.inference_mode()
     def run_layers(
@@ -272,9 +268,9 @@ class SublayerModel:
                 hidden.append(h)
         return h, torch.stack(hidden) if return_hidden else None
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, packed: bool | None = None) -> torch.Tensor:
         """Final norm and LM head: residual stream [rows, d] -> float32 logits [rows, V]."""
-        return self.lm_head(self._rms_norm(h, self.final_norm)).float()
+        return self.lm_head(self._rms_norm(h, self.final_norm), packed).float()
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed[token_ids]
@@ -334,9 +330,18 @@ class SublayerModel:
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.spec.rms_norm_eps)
 
-    def _mlp(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        gate, up = layer.gate_up(self._rms_norm(h, layer.post_norm)).chunk(2, dim=-1)
-        return self._reduced(layer.down(F.silu(gate) * up))
+    def _mlp(self, layer: LayerWeights, h: torch.Tensor, ranges=None) -> torch.Tensor:
+        gate, up = self._linear(layer.gate_up, self._rms_norm(h, layer.post_norm), ranges).chunk(2, dim=-1)
+        return self._reduced(self._linear(layer.down, F.silu(gate) * up, ranges))
+
+    @staticmethod
+    def _linear(linear: Linear, x: torch.Tensor, ranges: list[tuple[int, int, bool]] | None) -> torch.Tensor:
+        """`linear` over packed rows, each range with its kernel (packing.kernel_ranges)."""
+        if ranges is None:
+            return linear(x)
+        if len(ranges) == 1:
+            return linear(x, ranges[0][2])
+        return torch.cat([linear(x[a:e], packed) for a, e, packed in ranges])
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
         return partial if self.reduce is None else self.reduce(partial)
@@ -349,10 +354,11 @@ class SublayerModel:
         num_tokens: int,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        ranges: list[tuple[int, int, bool]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows h [B * T, d] -> rotated queries [B, T, H, head_dim], keys and values [B, T, kv_heads, head_dim]."""
         s = self.spec
-        qkv = layer.qkv(self._rms_norm(h, layer.input_norm))
+        qkv = self._linear(layer.qkv, self._rms_norm(h, layer.input_norm), ranges)
         q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim], -1)
         q = q.view(num_branches, num_tokens, s.num_heads, s.head_dim)
         k = k.view(num_branches, num_tokens, s.num_kv_heads, s.head_dim)

@@ -64,6 +64,71 @@ def test_each_request_in_a_batch_gets_its_own_logits_and_cache(tiny_checkpoint, 
         torch.testing.assert_close(t.values, a.values, **tolerance)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_requests_in_one_kv_pool_attend_together(tiny_checkpoint, mode):
+    """Caches that are slots of one pool: their decode and verify rows go through one pooled
+    attention (slots apart, a free slot between them, different lengths), a prefill chunk and a
+    request with a cache of its own through their own; all as if each ran alone."""
+    _, model = load_tiny(tiny_checkpoint, mode)
+    prompts = [ids(10, 37), ids(11, 90), ids(12, 150), ids(13, 5), ids(14, 20)]
+    rows = [ids(20, 1), ids(21, 4), ids(22, 3), ids(23, 24), ids(24, 2)]
+    alone = [prefilled(model, p) for p in prompts]
+    pool = model.new_pool(6, 64)
+    placeholder = pool.acquire(10)
+    together = [pool.adopt(prefilled(model, p)) for p in prompts[:4]] + [prefilled(model, prompts[4])]
+    pool.release(placeholder)  # slot 0 is free: the pooled attention spans it anyway
+    assert pool.slot_capacity >= 190 and [c.slot for c in together[:4]] == [1, 2, 3, 4]  # grown for the long one
+    expected = [model.forward(c, r, c.length, logits="all").logits for c, r in zip(alone, rows)]
+    got = model.forward_batch([RequestRows(c, r, c.length) for c, r in zip(together, rows)])
+    # 34 rows in all: in fp16w each request's rows still take the kernel they take alone.
+    tolerance = dict(atol=1e-5, rtol=1e-5) if mode == "fp32" else dict(atol=2e-3, rtol=2e-3)
+    for g, e, a, t, r in zip(got, expected, alone, together, rows):
+        torch.testing.assert_close(g, e, **tolerance)
+        assert_same_greedy(g, e)
+        end = t.length + r.numel()
+        torch.testing.assert_close(t.keys[:, :, :end], a.keys[:, :, :end], **tolerance)
+        torch.testing.assert_close(t.values[:, :, :end], a.values[:, :, :end], **tolerance)
+
+
+def test_each_block_takes_the_kernel_it_takes_alone():
+    from pipeline.model.packing import kernel_ranges
+
+    assert kernel_ranges([1, 4, 3], 32) == [(0, 8, True)]
+    assert kernel_ranges([5, 40, 2, 3, 33], 32) == [(0, 5, True), (5, 45, False), (45, 50, True), (50, 83, False)]
+
+
+@pytest.mark.skipif(not fp16w_available(), reason="needs FBGEMM")
+def test_many_verify_rows_keep_the_fp16w_kernel(tiny_llama):
+    """Twelve requests verifying four tokens each: 48 rows, more than fp16w runs through its fp16
+    kernel at once, yet each request's rows are computed as they are alone."""
+    _, model = load_tiny(tiny_llama, "fp16w")
+    prompts = [ids(50 + i, 20 + 7 * i) for i in range(12)]
+    rows = [ids(70 + i, 4) for i in range(12)]
+    alone = [prefilled(model, p) for p in prompts]
+    pool = model.new_pool(12, 128)
+    together = [pool.adopt(prefilled(model, p)) for p in prompts]
+    expected = [model.forward(c, r, c.length).logits for c, r in zip(alone, rows)]
+    got = model.forward_batch([RequestRows(c, r, c.length) for c, r in zip(together, rows)])
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=2e-4, rtol=2e-4)
+
+
+def test_a_pooled_slot_is_a_cache(tiny_llama):
+    _, model = load_tiny(tiny_llama)
+    pool = model.new_pool(2, 16)
+    first, second = pool.acquire(16), pool.acquire(12)
+    assert (first.slot, second.slot, second.capacity) == (0, 1, 12)
+    with pytest.raises(ConfigError, match="slots"):
+        pool.acquire(4)
+    with pytest.raises(KnapSpecError, match="overflow"):
+        second.check_room(13)
+    model.prefill(second, ids(3, 10))
+    copy = second.copy()
+    assert copy.length == 10 and torch.equal(copy.keys[:, :, :10], second.keys[:, :, :10])
+    pool.release(first)
+    assert pool.acquire(8).slot == 0
+
+
 def test_the_batch_drafts_with_one_sub_network_and_returns_last_rows(tiny_deep_llama):
     _, model = load_tiny(tiny_deep_llama)
     skip = {2, 5, 9}
@@ -99,7 +164,9 @@ def test_real_documents_decoded_in_a_batch_keep_their_greedy_tokens():
     engine = Engine(EngineConfig())
     model, steps = engine.model, 12
     docs = sample_documents()[:3]
-    prompts = [build_prompt(engine.tokenizer, d["text"], max_prompt_tokens=n).token_ids for d, n in zip(docs, (300, 700, 500))]
+    prompts = [
+        build_prompt(engine.tokenizer, d["text"], max_prompt_tokens=n).token_ids for d, n in zip(docs, (300, 700, 500))
+    ]
 
     def greedy_alone(prompt):
         cache = model.new_cache(prompt.numel() + steps)

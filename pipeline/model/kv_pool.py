@@ -1,0 +1,124 @@
+"""KV caches of a batch as slots of one pool, so that a batched forward attends for all its
+decoding requests at once.
+
+A pool holds keys and values `[layers, slots, kv_heads, slot_capacity, head_dim]`: one
+layer's caches of every slot are one strided tensor, and the decode and verify rows of
+many requests become two batched matmuls over it (`layers.pooled_attention`) instead of
+two per request — on CPU the per-request loop's small operations cost as much as the
+attention itself at a batch of eight. A slot is a `KVCache` whose tensors are views into
+the pool, so everything else (prefill, drafts, the DP) uses it as any cache.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from pipeline.errors import ConfigError
+from pipeline.model.kv_cache import KVCache
+
+
+class PooledCache(KVCache):
+    """One slot of a KVPool: a request's cache, `capacity` positions of the slot's."""
+
+    def __init__(self, pool: KVPool, slot: int, capacity: int) -> None:
+        # No allocation: the tensors are the pool's (see KVPool.acquire).
+        self.pool, self.slot, self._capacity = pool, slot, capacity
+        self.length = 0
+        self.point()
+
+    def point(self) -> None:
+        """(Re)take the views of this slot: [layers, kv_heads, slot_capacity, head_dim]."""
+        self.keys = self.pool.keys[:, self.slot]
+        self.values = self.pool.values[:, self.slot]
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def copy(self) -> KVCache:
+        """An independent plain cache with the same contents."""
+        clone = KVCache.__new__(KVCache)
+        clone.keys = self.keys[:, :, : self._capacity].clone()
+        clone.values = self.values[:, :, : self._capacity].clone()
+        clone.length = self.length
+        return clone
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_slots: int,
+        slot_capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_slots < 1 or slot_capacity < 1:
+            raise ConfigError(f"a KV pool needs slots and positions, got {num_slots} × {slot_capacity}")
+        self.shape = (num_layers, num_slots, num_kv_heads, slot_capacity, head_dim)
+        # Zeros, not empty: a slot's positions past its request's are read (and weighted 0) by
+        # the batched attention, and 0 × NaN would not be 0.
+        self.keys = torch.zeros(self.shape, dtype=dtype, device=device)
+        self.values = torch.zeros(self.shape, dtype=dtype, device=device)
+        self._free = list(range(num_slots))  # a heap: low slots first, so live ones stay together
+        self.live: dict[int, PooledCache] = {}
+
+    @property
+    def num_slots(self) -> int:
+        return self.shape[1]
+
+    @property
+    def slot_capacity(self) -> int:
+        return self.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    def bytes_for(self, slot_capacity: int) -> int:
+        """What the pool would take with slots of `slot_capacity` positions."""
+        return self.nbytes // self.slot_capacity * slot_capacity
+
+    def acquire(self, capacity: int) -> PooledCache:
+        if not self._free:
+            raise ConfigError(f"all {self.num_slots} slots of the KV pool are taken")
+        if capacity > self.slot_capacity:
+            self.grow(capacity)
+        slot = heapq.heappop(self._free)
+        cache = PooledCache(self, slot, capacity)
+        self.live[slot] = cache
+        return cache
+
+    def adopt(self, cache: KVCache) -> PooledCache:
+        """A slot holding a copy of `cache` (its capacity and committed length)."""
+        slot = self.acquire(cache.capacity)
+        slot.keys[:, :, : cache.length] = cache.keys[:, :, : cache.length]
+        slot.values[:, :, : cache.length] = cache.values[:, :, : cache.length]
+        slot.length = cache.length
+        return slot
+
+    def release(self, cache: PooledCache) -> None:
+        if self.live.pop(cache.slot, None) is not None:
+            heapq.heappush(self._free, cache.slot)
+
+    def grow(self, slot_capacity: int) -> None:
+        """Larger slots: new tensors, the live caches copied and re-pointed (between forwards only)."""
+        old_keys, old_values, old_capacity = self.keys, self.values, self.slot_capacity
+        self.shape = (*self.shape[:3], slot_capacity, self.shape[4])
+        self.keys = torch.zeros(self.shape, dtype=old_keys.dtype, device=old_keys.device)
+        self.values = torch.zeros(self.shape, dtype=old_values.dtype, device=old_values.device)
+        self.keys[:, :, :, :old_capacity] = old_keys
+        self.values[:, :, :, :old_capacity] = old_values
+        for cache in self.live.values():
+            cache.point()
+
+    def layer(self, index: int, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s keys and values of slots [first, end): two [(end - first) * kv_heads,
+        slot_capacity, head_dim] views (slot-major, as the batched attention reads them)."""
+        _, _, kv_heads, capacity, head_dim = self.shape
+        shape = ((end - first) * kv_heads, capacity, head_dim)
+        return self.keys[index, first:end].view(shape), self.values[index, first:end].view(shape)
