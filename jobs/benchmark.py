@@ -28,7 +28,15 @@ from pathlib import Path
 import torch
 
 from pipeline.decoding.drafters import LayerSkipDrafter
-from pipeline.decoding.loop import DecodeConfig, DecodingRequest, GenerationResult, decode, decode_batch, prefill
+from pipeline.decoding.loop import (
+    DecodeConfig,
+    DecodingRequest,
+    GenerationResult,
+    Prefilled,
+    decode,
+    decode_batch,
+    prefill,
+)
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.stats import GenerationStats
 from pipeline.engine import SEARCHING_STRATEGIES, STRATEGIES, Engine, EngineConfig, StrategyConfig
@@ -168,8 +176,16 @@ def run_batch(engine: Engine, strategy: str, prompts: list[torch.Tensor], prefil
         # generate() times its own prefill and decode; in a batch they are the batch's.
         return BatchRun(results, results[0].stats.decode_s, results[0].stats.prefill_s)
     config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=engine.eos_token_ids)
+    # Each prefilled cache copied into a slot of one KV pool, as a replica's batcher holds them.
+    pool = engine.model.new_pool(len(prefilled), max(f.cache.capacity for f in prefilled))
     requests = [
-        DecodingRequest(f.copy(), config, SamplingParams(), engine.drafter(StrategyConfig(strategy)), p.tolist())
+        DecodingRequest(
+            Prefilled(pool.adopt(f.cache), f.logits, f.prompt_tokens, f.seconds),
+            config,
+            SamplingParams(),
+            engine.drafter(StrategyConfig(strategy)),
+            p.tolist(),
+        )
         for p, f in zip(prompts, prefilled)
     ]
     started = time.perf_counter()
@@ -224,21 +240,46 @@ def batch_record(
     )
 
 
-def verify_costs(engine: Engine, prompt_ids: torch.Tensor, rounds: int = 9) -> dict[int, float]:
+def verify_costs(engine: Engine, prompt_ids: torch.Tensor, rounds: int = 9) -> dict:
     """Median seconds of one full forward of k tokens after the prompt (a verify of k - 1
-    drafts), for each k in VERIFY_SIZES; sizes alternate within each round so that noise
-    hits them alike."""
-    prefilled = prefill(engine.model, prompt_ids, max(VERIFY_SIZES))
-    cache = prefilled.cache
-    times: dict[int, list[float]] = {k: [] for k in VERIFY_SIZES}
+    drafts), for each k in VERIFY_SIZES, and of its parts for k = 1 and 4: every linear with
+    the LM head alone, and every layer's attention alone over the prompt's cache. Sizes and
+    parts alternate within each round so that noise hits them alike."""
+    model = engine.model
+    cache = prefill(model, prompt_ids, max(VERIFY_SIZES)).cache
+    s = model.spec
+    jobs = {
+        ("forward", k): lambda k=k: model.forward(cache, prompt_ids[-k:].clone(), cache.length) for k in VERIFY_SIZES
+    }
+    for k in (1, 4):
+        x = torch.randn(k, s.hidden_size, dtype=model.dtype)
+        heads = torch.randn(k, s.num_heads * s.head_dim, dtype=model.dtype)
+        inner = torch.randn(k, s.intermediate_size, dtype=model.dtype)
+        q = torch.randn(k, s.num_heads, s.head_dim, dtype=model.dtype)
+        kv = torch.randn(k, s.num_kv_heads, s.head_dim, dtype=model.dtype)
+
+        def linears(x=x, heads=heads, inner=inner) -> None:
+            with torch.inference_mode():
+                for layer in model.layers:
+                    layer.qkv(x), layer.o(heads), layer.gate_up(x), layer.down(inner)
+                model.lm_head(x)
+
+        def attention(q=q, kv=kv) -> None:
+            for i in range(s.num_layers):
+                model.attend(i, q, kv, kv, cache, cache.length)
+
+        jobs[("linears", k)], jobs[("attention", k)] = linears, attention
+    times: dict = {key: [] for key in jobs}
     for round_ in range(rounds + 1):
-        for k in VERIFY_SIZES:
-            tokens = prompt_ids[-k:].clone()
+        for key, job in jobs.items():
             t0 = time.perf_counter()
-            engine.model.forward(cache, tokens, cache.length, logits="all")
+            job()
             if round_:  # the first round warms up
-                times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+                times[key].append(time.perf_counter() - t0)
+    median = {key: statistics.median(v) for key, v in times.items()}
+    costs: dict = {k: median[("forward", k)] for k in VERIFY_SIZES}
+    costs["parts"] = {f"{part}_{k}_s": median[(part, k)] for part in ("linears", "attention") for k in (1, 4)}
+    return costs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                     args.forced,
                 )  # fmt: skip
             costs = verify_costs(engines[reference[1]], prompts[0])
+            parts = costs["parts"]
+            floor = parts["linears_1_s"] + parts["attention_1_s"]
             verify_rows.append(
                 {
                     "doc_id": doc_id,
@@ -317,6 +360,15 @@ def main(argv: list[str] | None = None) -> int:
                     "t_forward_1_s": costs[1],
                 }
                 | {f"verify_{k}_over_1": costs[k] / costs[1] for k in VERIFY_SIZES[1:]}
+                | parts
+                | {
+                    "linears_4_over_1": parts["linears_4_s"] / parts["linears_1_s"],
+                    "attention_4_over_1": parts["attention_4_s"] / parts["attention_1_s"],
+                    # The step against what its linears and attention alone cost; the rest is the
+                    # elementwise work and the Python per item.
+                    "step_over_linears_and_attention": costs[1] / floor,
+                    "other_1_s": costs[1] - floor,
+                }
             )
 
     args.output.mkdir(parents=True, exist_ok=True)
@@ -646,6 +698,18 @@ def format_tables(records: list[Record], verify_rows: list[dict], reference: tup
         ratios = " | ".join(f"{v[f'verify_{k}_over_1']:.2f}" for k in VERIFY_SIZES[1:])
         lines.append(
             f"| {v['doc_id']} | {v['context_tokens']} | {v['dtype']} | {v['t_forward_1_s'] * 1e3:.1f} | {ratios} |"
+        )
+    lines += [
+        "",
+        "| doc | context | step ms | linears ms | attention ms | other ms | step / (linears + attention) "
+        "| verify 4 / 1 | linears 4 / 1 | attention 4 / 1 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for v in verify_rows:
+        lines.append(
+            f"| {v['doc_id']} | {v['context_tokens']} | {v['t_forward_1_s'] * 1e3:.1f} | {v['linears_1_s'] * 1e3:.1f} "
+            f"| {v['attention_1_s'] * 1e3:.1f} | {v['other_1_s'] * 1e3:.1f} | {v['step_over_linears_and_attention']:.2f} "
+            f"| {v['verify_4_over_1']:.2f} | {v['linears_4_over_1']:.2f} | {v['attention_4_over_1']:.2f} |"
         )
     return "\n".join(lines)
 

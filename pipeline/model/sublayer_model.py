@@ -216,6 +216,12 @@ class SublayerModel:
                 h = h + self._mlp(layer, h, ranges)
         return h
 
+    @torch.inference_mode()
+    def attend(self, index: int, q, k, v, cache: KVCache, start: int) -> torch.Tensor:
+        """Layer `index`'s attention alone for queries, keys, values [T, heads, head_dim] at
+        [start, start + T) (the benchmark's step breakdown times it apart from the linears)."""
+        return self._attend(index, q, k, v, cache, start, block_mask(q.shape[0], start, self.device))
+
     def _attend_span(self, index: int, q, k, v, span: tuple[KVCache, int, int], offset: int, mask) -> torch.Tensor:
         cache, start, n = span
         return self._attend(

@@ -123,3 +123,6 @@ def test_benchmark_across_batch_sizes(tmp_path):
         if name != "hf":  # generate() in fp16w rounds its own way
             assert r["tokens_equal_ar"], r
     assert "lookup:fp16w@3" in out["summary"]
+    (breakdown,) = out["verify_cost"]
+    assert breakdown["linears_1_s"] > 0 and breakdown["attention_4_s"] > 0
+    assert breakdown["step_over_linears_and_attention"] > 0 and breakdown["linears_4_over_1"] > 0
