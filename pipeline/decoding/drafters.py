@@ -8,7 +8,7 @@ drafted token costs a forward of the draft model.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Generator, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,6 +47,21 @@ class DraftRequest:
         return self.token_ids[-1]
 
 
+@dataclass(frozen=True)
+class DraftForward:
+    """One forward a drafter asks for: `token` at `position` of the request's cache, through the
+    model minus `skip`. Answered with that row's logits [V]."""
+
+    token: int
+    position: int
+    skip: frozenset[int]
+
+
+# A drafter's proposal as steps: it yields the forwards it needs, receives their logits, and
+# returns its Draft. A batch runs the steps of all its requests together (decoding/loop.py).
+DraftSteps = Generator[DraftForward, torch.Tensor, Draft]
+
+
 class Drafter(Protocol):
     max_draft: int
 
@@ -58,6 +73,31 @@ class Drafter(Protocol):
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """Feedback after verification."""
         ...
+
+
+def draft_steps(drafter: Drafter, request: DraftRequest) -> DraftSteps:
+    """`drafter`'s proposal as steps: those of a drafter that drafts with forwards of the model
+    (`propose_steps`); any other's proposal at once, without a step."""
+    steps = getattr(drafter, "propose_steps", None)
+    return steps(request) if steps is not None else _at_once(drafter, request)
+
+
+def _at_once(drafter: Drafter, request: DraftRequest) -> DraftSteps:
+    return drafter.propose(request)
+    yield  # a generator that asks for nothing
+
+
+def run_steps(request: DraftRequest, steps: DraftSteps) -> Draft:
+    """A proposal's steps for one request alone: each forward on its own cache."""
+    model = request.model
+    try:
+        forward = next(steps)
+        while True:
+            ids = torch.tensor([forward.token], device=model.device)
+            logits = model.forward(request.cache, ids, forward.position, skip=forward.skip, logits="last").logits
+            forward = steps.send(logits[0])
+    except StopIteration as stop:
+        return stop.value
 
 
 class NoDraft:
@@ -89,14 +129,15 @@ class LayerSkipDrafter:
         self.confidence_threshold = confidence_threshold
 
     def propose(self, request: DraftRequest) -> Draft:
-        model, cache, params = request.model, request.cache, request.params
+        return run_steps(request, self.propose_steps(request))
+
+    def propose_steps(self, request: DraftRequest) -> DraftSteps:
+        cache, params = request.cache, request.params
         tokens: list[int] = []
         dists: list[torch.Tensor] = []
         token = request.pending
         for j in range(min(self.max_draft, request.max_tokens)):
-            logits = model.forward(
-                cache, torch.tensor([token], device=model.device), cache.length + j, skip=self.skip, logits="last"
-            ).logits[0]
+            logits = yield DraftForward(token, cache.length + j, self.skip)
             if params.greedy:
                 token = int(logits.argmax())
                 confidence = torch.softmax(logits, dim=-1)[token].item()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.decoding.drafters import Draft, Drafter, DraftRequest, NoDraft
+from pipeline.decoding.drafters import Draft, Drafter, DraftForward, DraftRequest, DraftSteps, NoDraft, draft_steps
 from pipeline.decoding.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
 from pipeline.decoding.stats import GenerationStats
 from pipeline.errors import ConfigError
@@ -94,11 +94,50 @@ def decode_batch(model: SublayerModel, requests: Sequence[DecodingRequest]) -> l
     different token only where its top-2 logits nearly tie). A request leaves at EOS or its
     limit; the others go on."""
     while running := [request for request in requests if request.running]:
-        drafts = [request.propose(model) for request in running]
+        drafts = propose_together(model, running)
+        for draft in drafts:
+            if isinstance(draft, Exception):
+                raise draft
         blocks = [RequestRows(r.cache, r.verify_ids(d, model.device), r.cache.length) for r, d in zip(running, drafts)]
         for request, draft, logits in zip(running, drafts, model.forward_batch(blocks, logits="all")):
             request.accept(draft, logits)
     return [request.result() for request in requests]
+
+
+def propose_together(model: SublayerModel, requests: Sequence[DecodingRequest]) -> list[Draft | Exception]:
+    """Every request's draft, their drafting forwards run together: at each draft position the
+    requests still drafting with one sub-network share one batched forward (usually all share
+    a plan: same strategy, same search history). A request whose drafter fails gets its error
+    in its place; the others draft on."""
+    drafts: list[Draft | Exception | None] = [None] * len(requests)
+    asking: dict[int, tuple[DraftSteps, DraftForward]] = {}
+
+    def advance(i: int, steps: DraftSteps, logits: torch.Tensor | None) -> None:
+        try:
+            asking[i] = (steps, next(steps) if logits is None else steps.send(logits))
+        except StopIteration as stop:
+            asking.pop(i, None)
+            drafts[i] = stop.value
+        except Exception as e:  # one request's drafter failing must not take the batch with it
+            asking.pop(i, None)
+            drafts[i] = e
+
+    for i, request in enumerate(requests):
+        advance(i, request.propose_steps(model), None)
+    while asking:
+        by_skip: dict[frozenset[int], list[int]] = {}
+        for i, (_, forward) in asking.items():
+            by_skip.setdefault(forward.skip, []).append(i)
+        for skip, members in by_skip.items():
+            blocks = [
+                RequestRows(
+                    requests[i].cache, torch.tensor([asking[i][1].token], device=model.device), asking[i][1].position
+                )
+                for i in members
+            ]
+            for i, logits in zip(members, model.forward_batch(blocks, skip=skip, logits="last")):
+                advance(i, asking[i][0], logits[0])
+    return drafts
 
 
 class DecodingRequest:
@@ -126,12 +165,18 @@ class DecodingRequest:
         self._check_done()
 
     def propose(self, model: SublayerModel) -> Draft:
+        return self.drafter.propose(self._draft_request(model))
+
+    def propose_steps(self, model: SublayerModel) -> DraftSteps:
+        """The proposal as steps, for drafting together with other requests (propose_together)."""
+        return draft_steps(self.drafter, self._draft_request(model))
+
+    def _draft_request(self, model: SublayerModel) -> DraftRequest:
         # Drafting past the token limit is wasted: the verify step emits one token more than it drafts.
         room = self.config.max_new_tokens - len(self.output) - 1
-        request = DraftRequest(
+        return DraftRequest(
             model, self.cache, self.history, room, self.params, self.generator, self.config.eos_token_ids
         )
-        return self.drafter.propose(request)
 
     def verify_ids(self, draft: Draft, device: torch.device) -> torch.Tensor:
         """The rows a verify forward runs: the pending token and the draft [1 + n]."""

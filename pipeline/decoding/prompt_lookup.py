@@ -129,9 +129,9 @@ class PromptLookupDrafter:
         if request.params.greedy:
             return Draft(tokens)
         model = request.model
-        rows = torch.nn.functional.one_hot(
-            torch.tensor(tokens, device=model.device), model.spec.vocab_size
-        ).to(torch.float32)
+        rows = torch.nn.functional.one_hot(torch.tensor(tokens, device=model.device), model.spec.vocab_size).to(
+            torch.float32
+        )
         return Draft(tokens, rows)
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:

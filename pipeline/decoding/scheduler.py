@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.decoding.drafters import Drafter
-from pipeline.decoding.loop import DecodeConfig, DecodingRequest, GenerationResult, Prefilled
+from pipeline.decoding.loop import DecodeConfig, DecodingRequest, GenerationResult, Prefilled, propose_together
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.errors import ConfigError
 from pipeline.model.kv_cache import KVCache
@@ -148,15 +148,12 @@ class ContinuousBatcher:
         self._admit()
         finished: list[Finished] = []
         running = list(self.running.items())
-        drafts = []
-        for ticket, request in running:
-            try:
-                drafts.append(request.propose(self.model))
-            except Exception as e:  # one request's drafter failing must not take the batch with it
-                logger.exception("Request %d: its drafter failed", ticket)
-                finished.append(self._fail(ticket, e))
-                drafts.append(None)
-        pairs = [(t, r, d) for (t, r), d in zip(running, drafts) if d is not None]
+        drafts = propose_together(self.model, [request for _, request in running]) if running else []
+        for (ticket, _), draft in zip(running, drafts):
+            if isinstance(draft, Exception):  # its drafter failed: it leaves, the batch goes on
+                logger.error("Request %d: its drafter failed", ticket, exc_info=draft)
+                finished.append(self._fail(ticket, draft))
+        pairs = [(t, r, d) for (t, r), d in zip(running, drafts) if not isinstance(d, Exception)]
         blocks = [RequestRows(r.cache, r.verify_ids(d, self.model.device), r.cache.length) for _, r, d in pairs]
         chunk = self._next_chunk()
         if chunk is not None:

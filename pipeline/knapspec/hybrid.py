@@ -13,7 +13,7 @@ misses would stop it copying for the rest of a request, however good later copie
 
 from __future__ import annotations
 
-from pipeline.decoding.drafters import Draft, DraftRequest
+from pipeline.decoding.drafters import Draft, DraftRequest, DraftSteps, run_steps
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.knapspec.drafter import KnapSpecDrafter
 from pipeline.knapspec.latency import LatencyModel
@@ -52,7 +52,8 @@ class KnapSpecLookupDrafter:
     def expected_accepted(self, gamma: int) -> float:
         """E[copied tokens accepted] for a lookup draft of γ tokens: Σ_j P(positions 0..j accepted)."""
         return sum(
-            (self._reached[j] + LOOKUP_PRIOR_BASE ** (j + 1) * LOOKUP_PRIOR_STEPS) / (self._tries[j] + LOOKUP_PRIOR_STEPS)
+            (self._reached[j] + LOOKUP_PRIOR_BASE ** (j + 1) * LOOKUP_PRIOR_STEPS)
+            / (self._tries[j] + LOOKUP_PRIOR_STEPS)
             for j in range(gamma)
         )
 
@@ -78,6 +79,9 @@ class KnapSpecLookupDrafter:
         self._shadows = waiting
 
     def propose(self, request: DraftRequest) -> Draft:
+        return run_steps(request, self.propose_steps(request))
+
+    def propose_steps(self, request: DraftRequest) -> DraftSteps:
         self.score_declined(request.token_ids)
         draft = self.lookup.propose(request)
         self._used_lookup = False
@@ -97,7 +101,7 @@ class KnapSpecLookupDrafter:
                 return draft
             # The tokens after `pending` will tell how this copy would have done, position by position.
             self._shadows.append((len(request.token_ids), copied))
-        return self.knapspec.propose(request)
+        return (yield from self.knapspec.propose_steps(request))
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         if self._used_lookup:

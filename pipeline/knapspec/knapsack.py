@@ -194,4 +194,3 @@ def run_knapsack(
 def default_always_execute(num_layers: int) -> frozenset[int]:
     """The first and last layers' items: skipping them ruins drafts (KnapSpec keeps them)."""
     return items.items_of_layers({0, num_layers - 1})
-

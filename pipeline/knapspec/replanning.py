@@ -16,7 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.decoding.drafters import DEFAULT_CONFIDENCE_THRESHOLD, Draft, DraftRequest, LayerSkipDrafter
+from pipeline.decoding.drafters import (
+    DEFAULT_CONFIDENCE_THRESHOLD,
+    Draft,
+    DraftRequest,
+    DraftSteps,
+    LayerSkipDrafter,
+    run_steps,
+)
 from pipeline.errors import ConfigError
 from pipeline.knapspec.knapsack import DEFAULT_THRESHOLD
 from pipeline.knapspec.latency import LatencyModel
@@ -120,6 +127,11 @@ class ReplanningDrafter:
         self.num_postponed = 0  # checks that found no time for a search
 
     def propose(self, request: DraftRequest) -> Draft:
+        return run_steps(request, self.propose_steps(request))
+
+    def propose_steps(self, request: DraftRequest) -> DraftSteps:
+        """Re-plan when due (the search runs here, for this request alone), then draft with the
+        plan's sub-network, step by step."""
         context = request.cache.length
         if self.plan is None and self.history.consecutive_ar(self._weights_at(context)):
             # Earlier requests' searches found nothing at this context: start plainly.
@@ -138,7 +150,7 @@ class ReplanningDrafter:
             self.optimize_s += time.perf_counter() - t0
         if self._drafter is None:
             return Draft([])
-        return self._drafter.propose(request)
+        return (yield from self._drafter.propose_steps(request))
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         self._steps_since_plan += 1

@@ -113,3 +113,33 @@ def test_real_documents_decoded_together_keep_their_tokens():
     ]
     for prompt, result, reference in zip(prompts, decode_batch(model, requests), expected):
         assert_same_or_near_tie(model, prompt, result.token_ids, reference)
+
+
+def test_drafts_of_one_sub_network_share_their_forwards(tiny_deep_llama):
+    """Three requests drafting with one skip set draft together: one batched forward per draft
+    position for all three (not one per request), and the drafts are those drafted alone."""
+    from pipeline.decoding.drafters import DraftRequest
+    from pipeline.decoding.loop import propose_together
+
+    _, model = load_tiny(tiny_deep_llama)
+    prompts = [repeating_prompt(n, seed) for seed, n in enumerate((12, 30, 21))]
+
+    def drafter():
+        return LayerSkipDrafter([4, 5, 6], model.spec.num_items, max_draft=3, confidence_threshold=0.0)
+
+    def requests():
+        return [DecodingRequest(prefill(model, p, 10), DecodeConfig(10), SamplingParams(), drafter()) for p in prompts]
+
+    alone = []
+    for request in requests():
+        alone.append(request.drafter.propose(DraftRequest(model, request.cache, request.history, 9, SamplingParams(),
+                                                          None, frozenset())).token_ids)  # fmt: skip
+    calls = []
+    forward_batch = model.forward_batch
+    model.forward_batch = lambda blocks, **kw: calls.append(len(blocks)) or forward_batch(blocks, **kw)
+    try:
+        drafts = propose_together(model, requests())
+    finally:
+        del model.forward_batch
+    assert calls == [3, 3, 3]
+    assert [d.token_ids for d in drafts] == alone
