@@ -441,7 +441,8 @@ def summarize(records: list[Record], forced: list[dict], reference: tuple[str, s
     summary: dict[str, dict] = {}
     for label, entry in per_strategy.items():
         rows = entry["rows"]
-        predicted = [r for r in rows if r.predicted_tpt is not None and r.strategy in SEARCHING]
+        # A plan predicts one request's speed: batched rows measure the batch's.
+        predicted = [r for r in rows if r.predicted_tpt is not None and r.strategy in SEARCHING and r.batch_size == 1]
         shares = [r.dp_overhead_frac for r in rows if r.dp_overhead_frac is not None]
         summary[label] = {
             "by_length": {
@@ -645,7 +646,7 @@ def plot(records: list[Record], forced: list[dict], reference: tuple[str, str], 
     axes[1].legend(fontsize=7)
     if forced:
         axes[2].scatter([f["predicted_tpt"] for f in forced], [f["measured_tpt"] for f in forced], label="forced")
-    searched = [r for r in records if r.predicted_tpt is not None and r.strategy in SEARCHING]
+    searched = [r for r in records if r.predicted_tpt is not None and r.strategy in SEARCHING and r.batch_size == 1]
     axes[2].scatter(
         [r.predicted_tpt for r in searched], [r.measured_tpt for r in searched], marker="x", label="knapspec (its plan)"
     )
@@ -658,9 +659,10 @@ def plot(records: list[Record], forced: list[dict], reference: tuple[str, str], 
     for (label, length), points in sorted(throughput.items()):
         xs = sorted(points)
         axes[3].plot(xs, [statistics.geometric_mean(points[x]) for x in xs], marker="o", label=f"{label} ~{length:,}")
-    axes[3].set(
-        xlabel="batch size", ylabel="decode tokens/s (batch)", title="Throughput vs batch", xscale="log", yscale="log"
-    )
+    sizes = sorted({r.batch_size for r in records})
+    axes[3].set(xlabel="batch size", ylabel="decode tokens/s (batch)", title="Throughput vs batch", xscale="log")
+    axes[3].set_xticks(sizes, [str(size) for size in sizes])
+    axes[3].minorticks_off()
     axes[3].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

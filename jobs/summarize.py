@@ -30,9 +30,9 @@ OUTPUT_NAME = "summaries.parquet"
 DEFAULT_STRATEGY = "knapspec-lookup"
 DEFAULT_MAX_NEW_TOKENS = 64
 DEFAULT_MAX_CHUNK_TOKENS = 4096
-# Documents per summarize actor: each waits on replicas in a thread of its own, so a few
-# actors keep many documents in flight without a process each.
-DOCUMENTS_PER_ACTOR = 4
+# Documents per summarize actor: each waits on replicas in a thread of its own, so one actor
+# keeps many documents in flight without a process (and a torch import) each.
+DOCUMENTS_PER_ACTOR = 16
 # Every data stage (filter, summarize dispatchers, write) asks for a tenth of a CPU: the
 # replicas hold the CPUs, and a stage asking Ray Data's default of one CPU could wait forever
 # behind them on a small machine.

@@ -67,17 +67,11 @@ def run_hf_generate(
     longest n-gram (default 2). In assisted decoding the prefill forward also verifies
     the first draft, so `prefill_s` then includes up to that many extra positions.
     """
-    from transformers import GenerationConfig
-
-    generation_config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=not params.greedy,
-        temperature=params.temperature if not params.greedy else None,
-        top_p=params.top_p if not params.greedy else None,
-        top_k=params.top_k if not params.greedy else None,
-        eos_token_id=sorted(eos_token_ids),
-        pad_token_id=pad_token_id,
-        num_beams=1,
+    generation_config = _generation_config(
+        max_new_tokens,
+        eos_token_ids,
+        params,
+        pad_token_id,
         prompt_lookup_num_tokens=prompt_lookup_num_tokens,
         max_matching_ngram_size=max_matching_ngram_size,
     )
@@ -94,19 +88,27 @@ def run_hf_generate_batch(
 ) -> list[HFRun]:
     """`generate()` over a left-padded batch, as a transformers user batches: one run per prompt,
     its tokens up to its first EOS; the batch's prefill and decode seconds are each run's."""
+    # Left padding needs a pad id; a model without one pads with an EOS id (masked out).
+    pad = pad_token_id if pad_token_id is not None else min(eos_token_ids, default=0)
+    return _generate(model, prompts, _generation_config(max_new_tokens, eos_token_ids, params, pad), params)
+
+
+def _generation_config(
+    max_new_tokens: int, eos_token_ids: Collection[int], params: SamplingParams, pad_token_id: int | None, **extra
+):
     from transformers import GenerationConfig
 
-    generation_config = GenerationConfig(
+    return GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=not params.greedy,
         temperature=params.temperature if not params.greedy else None,
         top_p=params.top_p if not params.greedy else None,
         top_k=params.top_k if not params.greedy else None,
         eos_token_id=sorted(eos_token_ids),
-        pad_token_id=pad_token_id if pad_token_id is not None else min(eos_token_ids, default=0),
+        pad_token_id=pad_token_id,
         num_beams=1,
+        **extra,
     )
-    return _generate(model, prompts, generation_config, params)
 
 
 def _generate(model, prompts: Sequence[torch.Tensor], generation_config, params: SamplingParams) -> list[HFRun]:

@@ -88,8 +88,9 @@ def decode(
 
 def decode_batch(model: SublayerModel, requests: Sequence[DecodingRequest]) -> list[GenerationResult]:
     """Decode several prefilled requests together. Each step every running request proposes
-    its own draft (of its own length, or none), one forward verifies all of them — the
-    linears once over all rows, attention per request — and each accepts by its own rule,
+    its own draft (of its own length, or none; drafting forwards shared, propose_together),
+    one forward verifies all of them — the linears once over all rows, attention per request
+    or, for slots of one KV pool, once for all — and each accepts by its own rule,
     so a request's tokens are those it would decode alone (up to the batch's rounding: a
     different token only where its top-2 logits nearly tie). A request leaves at EOS or its
     limit; the others go on."""

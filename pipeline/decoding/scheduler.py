@@ -148,7 +148,11 @@ class ContinuousBatcher:
         self._admit()
         finished: list[Finished] = []
         running = list(self.running.items())
-        drafts = propose_together(self.model, [request for _, request in running]) if running else []
+        try:
+            drafts = propose_together(self.model, [request for _, request in running]) if running else []
+        except Exception as e:  # a batched draft forward failed (a lost stage): as a failed verify
+            logger.exception("A batched draft forward of %d requests failed", len(running))
+            return [self._fail(ticket, e) for ticket, _ in running]
         for (ticket, _), draft in zip(running, drafts):
             if isinstance(draft, Exception):  # its drafter failed: it leaves, the batch goes on
                 logger.error("Request %d: its drafter failed", ticket, exc_info=draft)
