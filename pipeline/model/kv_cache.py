@@ -48,13 +48,13 @@ class KVCache:
 
     def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store keys/values [kv_heads, T, head_dim] at positions [start, start + T)."""
-        end = start + keys.shape[1]
-        self.keys[layer, :, start:end] = keys
-        self.values[layer, :, start:end] = values
+        # narrow + copy_, not slice assignment: Python's indexing costs more than the copy of a decode row.
+        self.keys[layer].narrow(1, start, keys.shape[1]).copy_(keys)
+        self.values[layer].narrow(1, start, values.shape[1]).copy_(values)
 
     def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [0, end): two [kv_heads, end, head_dim] views."""
-        return self.keys[layer, :, :end], self.values[layer, :, :end]
+        return self.keys[layer].narrow(1, 0, end), self.values[layer].narrow(1, 0, end)
 
     def advance(self, num_tokens: int) -> None:
         self.commit(self.length + num_tokens)

@@ -22,17 +22,30 @@ FUSED_ATTENTION_MIN_TOKENS = 16
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # As Hugging Face's LlamaRMSNorm: normalize in fp32, scale in the compute dtype.
+    if x.dtype == torch.float32:
+        # The same operations in the same order, dispatched once from C++: a decode step runs
+        # 61 norms of one row, where each Python-level operation costs as much as its math.
+        return F.rms_norm(x, weight.shape, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """The sine table [..., head_dim] with its first half negated, the form apply_rotary takes."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x [..., T, heads, head_dim] as Hugging Face applies it (rotate_half);
-    cos/sin [T, head_dim] broadcast over the leading dimensions."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    """Rotary embedding of x [..., T, heads, head_dim], bit for bit as Hugging Face applies it.
+
+    cos and `signed_sin(sin)` come as [T, 1, head_dim]. Hugging Face adds rotate_half(x) * sin,
+    where rotate_half(x) = (-x2, x1); rolling x by half a head gives (x2, x1), and negating
+    the sine's first half instead of x2 rounds the same (negation is exact), in four operations
+    instead of nine.
+    """
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
 
 
 def block_mask(num_tokens: int, start: int, device: torch.device) -> torch.Tensor | None:
@@ -114,12 +127,20 @@ def grouped_attention(
         scores = torch.cat([scores, own_scores], dim=-1)
     if later is not None:
         scores[..., -num_tokens:].masked_fill_(later, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+    probs = softmax(scores, values.dtype)
+    if own_values is None:
+        out = torch.bmm(probs.view(num_kv_heads, -1, num_shared), values)
+        return out.view(num_kv_heads, num_branches, groups, num_tokens, head_dim)
     shared_probs = probs[..., :num_shared].reshape(num_kv_heads, -1, num_shared)
     out = torch.bmm(shared_probs, values).view(num_kv_heads, num_branches, groups, num_tokens, head_dim)
-    if own_values is not None:
-        out = out + torch.matmul(probs[..., num_shared:], own_values[:, :, None])
-    return out
+    return out + torch.matmul(probs[..., num_shared:], own_values[:, :, None])
+
+
+def softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Softmax over the last dimension in fp32, returned in `dtype` (as Hugging Face's eager attention)."""
+    if scores.dtype == torch.float32 and dtype == torch.float32:
+        return torch.softmax(scores, dim=-1)
+    return torch.softmax(scores.float(), dim=-1).to(dtype)
 
 
 def pooled_attention(
@@ -140,7 +161,7 @@ def pooled_attention(
     rows = padded.permute(0, 2, 3, 1, 4).reshape(num_slots * num_kv_heads, groups * block, head_dim)
     scores = torch.bmm(rows, keys[:, :num_keys].transpose(1, 2))
     scores = scores.view(num_slots, num_kv_heads, groups, block, num_keys).masked_fill_(layout.hidden, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+    probs = softmax(scores, values.dtype)
     out = torch.bmm(probs.view(num_slots * num_kv_heads, groups * block, num_keys), values[:, :num_keys])
     out = out.view(num_slots, num_kv_heads, groups, block, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(num_slots * block, num_heads * head_dim)[layout.back]

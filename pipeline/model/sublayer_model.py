@@ -31,6 +31,7 @@ from pipeline.model.layers import (
     later_in_block,
     pooled_attention,
     rms_norm,
+    signed_sin,
     ungroup,
 )
 from pipeline.model.linear import FP16W_MAX_ROWS, ComputeMode, Linear
@@ -75,8 +76,8 @@ class SublayerModel:
         self.max_context = max_context
         self.device = device
         self.dtype = mode.activation_dtype
-        self._cos = torch.empty(0, spec.head_dim, device=device)
-        self._sin = torch.empty(0, spec.head_dim, device=device)
+        self._cos = torch.empty(0, 1, spec.head_dim, device=device)
+        self._sin = torch.empty(0, 1, spec.head_dim, device=device)
         self._scale = spec.head_dim**-0.5
         # Sums the residual updates of a tensor-parallel group (pipeline/parallel/tensor_parallel.py):
         # with a shard of the heads and MLP columns, o_proj and down_proj give partial sums.
@@ -129,7 +130,8 @@ class SublayerModel:
             positions = torch.arange(size, device=self.device)[None]
             probe = torch.empty(0, dtype=torch.float32, device=self.device)
             cos, sin = self.rotary(probe, positions)
-            self._cos, self._sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [size, head_dim]
+            # [size, 1, head_dim]: rows broadcast over heads, the sine signed as apply_rotary takes it.
+            self._cos, self._sin = cos[0, :, None].to(self.dtype), signed_sin(sin[0, :, None].to(self.dtype))
         return self._cos, self._sin
 
     # ----------------------------------------------------------------- forward
@@ -365,14 +367,15 @@ class SublayerModel:
         """Rows h [B * T, d] -> rotated queries [B, T, H, head_dim], keys and values [B, T, kv_heads, head_dim]."""
         s = self.spec
         qkv = self._linear(layer.qkv, self._rms_norm(h, layer.input_norm), ranges)
-        q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim], -1)
-        q = q.view(num_branches, num_tokens, s.num_heads, s.head_dim)
-        k = k.view(num_branches, num_tokens, s.num_kv_heads, s.head_dim)
-        v = v.view(num_branches, num_tokens, s.num_kv_heads, s.head_dim)
-        if layer.q_norm is not None:
-            q = self._rms_norm(q, layer.q_norm)
-            k = self._rms_norm(k, layer.k_norm)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        heads = s.num_heads + s.num_kv_heads
+        v = qkv[:, heads * s.head_dim :].view(num_branches, num_tokens, s.num_kv_heads, s.head_dim)
+        qk = qkv[:, : heads * s.head_dim].view(num_branches, num_tokens, heads, s.head_dim)
+        if layer.q_norm is None:
+            # Queries and keys lie side by side: one rotation for both.
+            qk = apply_rotary(qk, cos, sin)
+            return qk[:, :, : s.num_heads], qk[:, :, s.num_heads :], v
+        q = apply_rotary(self._rms_norm(qk[:, :, : s.num_heads], layer.q_norm), cos, sin)
+        return q, apply_rotary(self._rms_norm(qk[:, :, s.num_heads :], layer.k_norm), cos, sin), v
 
     def _attention(
         self,
