@@ -28,6 +28,16 @@ DEFAULT_CONFIDENCE_THRESHOLD = 0.7
 class Draft:
     token_ids: list[int]
     probs: torch.Tensor | None = None  # [n, V] draft distributions; only when sampling
+    # [n]: the drafter's estimate that tokens 0..j are all accepted, for a batch to weigh the
+    # draft's rows (batch_drafts.py); None: no estimate, a batch verifies the draft whole.
+    survival: list[float] | None = None
+
+    def prefix(self, n: int) -> Draft:
+        """Its first n tokens: still a draft to verify exactly (acceptance goes token by token)."""
+        if n >= len(self.token_ids):
+            return self
+        probs = None if self.probs is None else self.probs[:n]
+        return Draft(self.token_ids[:n], probs, None if self.survival is None else self.survival[:n])
 
 
 @dataclass

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.decoding.batch_drafts import trim_drafts
 from pipeline.decoding.drafters import Draft, Drafter, DraftForward, DraftRequest, DraftSteps, NoDraft, draft_steps
 from pipeline.decoding.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
 from pipeline.decoding.stats import GenerationStats
@@ -99,6 +100,7 @@ def decode_batch(model: SublayerModel, requests: Sequence[DecodingRequest]) -> l
         for draft in drafts:
             if isinstance(draft, Exception):
                 raise draft
+        drafts = fit_to_batch(running, drafts)
         blocks = [RequestRows(r.cache, r.verify_ids(d, model.device), r.cache.length) for r, d in zip(running, drafts)]
         for request, draft, logits in zip(running, drafts, model.forward_batch(blocks, logits="all")):
             request.accept(draft, logits)
@@ -139,6 +141,24 @@ def propose_together(model: SublayerModel, requests: Sequence[DecodingRequest]) 
             for i, logits in zip(members, model.forward_batch(blocks, skip=skip, logits="last")):
                 advance(i, asking[i][0], logits[0])
     return drafts
+
+
+def fit_to_batch(requests: Sequence[DecodingRequest], drafts: Sequence[Draft]) -> list[Draft]:
+    """The drafts of requests verified together, each cut to the positions that pay in this
+    batch (batch_drafts.trim_drafts) by the latency table of a drafter that estimated its
+    draft's survival; a request alone verifies its draft as proposed (its drafter weighed it)."""
+    drafts = list(drafts)
+    estimated = [i for i, d in enumerate(drafts) if d.survival is not None]
+    latency = next((getattr(requests[i].drafter, "latency", None) for i in estimated), None)
+    if len(drafts) < 2 or latency is None:
+        return drafts
+    lengths = trim_drafts(
+        [len(d.token_ids) for d in drafts],
+        [d.survival for d in drafts],
+        [r.cache.length for r in requests],
+        latency,
+    )
+    return [d.prefix(n) for d, n in zip(drafts, lengths)]
 
 
 class DecodingRequest:

@@ -24,7 +24,14 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.decoding.drafters import Drafter
-from pipeline.decoding.loop import DecodeConfig, DecodingRequest, GenerationResult, Prefilled, propose_together
+from pipeline.decoding.loop import (
+    DecodeConfig,
+    DecodingRequest,
+    GenerationResult,
+    Prefilled,
+    fit_to_batch,
+    propose_together,
+)
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.errors import ConfigError
 from pipeline.model.kv_cache import KVCache
@@ -158,6 +165,8 @@ class ContinuousBatcher:
                 logger.error("Request %d: its drafter failed", ticket, exc_info=draft)
                 finished.append(self._fail(ticket, draft))
         pairs = [(t, r, d) for (t, r), d in zip(running, drafts) if not isinstance(d, Exception)]
+        fitted = fit_to_batch([r for _, r, _ in pairs], [d for _, _, d in pairs])
+        pairs = [(t, r, d) for (t, r, _), d in zip(pairs, fitted)]
         blocks = [RequestRows(r.cache, r.verify_ids(d, self.model.device), r.cache.length) for _, r, d in pairs]
         chunk = self._next_chunk()
         if chunk is not None:

@@ -49,13 +49,17 @@ class KnapSpecLookupDrafter:
         # Declined copies awaiting the tokens that score them: (where they start, tokens).
         self._shadows: list[tuple[int, list[int]]] = []
 
-    def expected_accepted(self, gamma: int) -> float:
-        """E[copied tokens accepted] for a lookup draft of γ tokens: Σ_j P(positions 0..j accepted)."""
-        return sum(
+    def survival(self, gamma: int) -> list[float]:
+        """[j]: P(copied positions 0..j all accepted), for j < γ, from the counts and the prior."""
+        return [
             (self._reached[j] + LOOKUP_PRIOR_BASE ** (j + 1) * LOOKUP_PRIOR_STEPS)
             / (self._tries[j] + LOOKUP_PRIOR_STEPS)
             for j in range(gamma)
-        )
+        ]
+
+    def expected_accepted(self, gamma: int) -> float:
+        """E[copied tokens accepted] for a lookup draft of γ tokens: Σ_j P(positions 0..j accepted)."""
+        return sum(self.survival(gamma))
 
     def count(self, num_drafted: int, num_accepted: int) -> None:
         """One copied draft of `num_drafted` tokens whose first `num_accepted` were (or would
@@ -94,6 +98,7 @@ class KnapSpecLookupDrafter:
                 for g in range(1, min(len(draft.token_ids), self.latency.max_verify - 1) + 1)
             )
             draft = Draft(draft.token_ids[:gamma], None if draft.probs is None else draft.probs[:gamma])
+            draft.survival = self.survival(gamma)  # a batch may verify less of it (batch_drafts.py)
             plan = self.knapspec.plan
             tpt_layers = plan.predicted_tpt if plan is not None else 1.0 / self.latency.t_verify(1, context)
             if tpt_lookup >= tpt_layers:
