@@ -40,12 +40,13 @@ from pipeline.decoding.loop import (
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.stats import GenerationStats
 from pipeline.engine import SEARCHING_STRATEGIES, STRATEGIES, Engine, EngineConfig, StrategyConfig
-from pipeline.errors import KnapSpecError
+from pipeline.errors import ConfigError, KnapSpecError
 from pipeline.knapspec.drafter import KnapSpecDrafter, search_candidates
 from pipeline.knapspec.replanning import KnapSpecConfig
 from pipeline.knapspec.tpt import choose_plan
 from pipeline.logs import configure_logging
 from pipeline.model import items
+from pipeline.model.linear import resolve_compute_mode
 from pipeline.summarization.prompts import build_prompt
 from profiling.calibration import store_calibrator
 
@@ -88,13 +89,25 @@ class Record:
         return self.tokens_per_s
 
 
+def parse_strategy(text: str) -> tuple[str, str]:
+    """NAME or NAME:DTYPE -> (name, compute mode); a bare name, or `auto`, takes the CPU default
+    mode, as generate.py and summarize.py do. Anything else ends the run with one error line."""
+    name, _, dtype = text.strip().partition(":")
+    if name not in STRATEGIES:
+        raise SystemExit(f"error: unknown strategy {name!r} in {text!r}; choose from {', '.join(STRATEGIES)}")
+    try:
+        return name, resolve_compute_mode(dtype or "auto", "cpu").value
+    except ConfigError as e:
+        raise SystemExit(f"error: {text!r}: {e}") from None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", type=Path, default=DEFAULT_INPUT, help="a .jsonl file with id and text")
     parser.add_argument("--ids", default="gao-26-109008", help="comma-separated document ids")
     parser.add_argument("--context-lengths", default="512,2048,4096", help="prompt tokens, comma-separated")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="NAME:DTYPE pairs, comma-separated")
+    parser.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="NAME:DTYPE pairs, comma-separated (a bare NAME: the CPU default mode)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--batch-sizes",
@@ -287,11 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     if args.pipeline_parallel:
         return pipeline_throughput(args)
-    pairs = [tuple(s.split(":")) for s in args.strategies.split(",")]
-    reference = tuple(args.reference.split(":"))
-    for name, dtype in pairs + [reference]:
-        if name not in STRATEGIES:
-            raise SystemExit(f"error: unknown strategy {name!r}")
+    pairs = [parse_strategy(s) for s in args.strategies.split(",")]
+    reference = parse_strategy(args.reference)
     if reference not in pairs:
         pairs.insert(0, reference)
     if args.control:

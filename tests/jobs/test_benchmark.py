@@ -27,6 +27,18 @@ def test_pearson():
     assert benchmark.pearson([1, 2], [1, 2]) is None
 
 
+def test_strategies_by_bare_name_or_with_a_mode():
+    benchmark = load_script()
+    assert benchmark.parse_strategy("knapspec") == ("knapspec", "fp16w")  # as generate.py takes it
+    assert benchmark.parse_strategy("ar:auto") == ("ar", "fp16w")
+    assert benchmark.parse_strategy(" hf:fp32") == ("hf", "fp32")
+    for bad, says in [("knapspeed", "unknown strategy"), ("ar:fp8", "unknown dtype"), ("ar:fp16w:x", "unknown dtype")]:
+        with pytest.raises(SystemExit) as stop:
+            benchmark.parse_strategy(bad)
+        message = str(stop.value)
+        assert message.startswith("error: ") and says in message and "\n" not in message
+
+
 def test_runs_alternate_their_order():
     benchmark = load_script()
     pairs = [("ar", "fp16w"), ("knapspec", "fp16w"), ("ar-control", "fp16w")]
