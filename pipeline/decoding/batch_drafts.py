@@ -15,6 +15,11 @@ The costs come from the device's latency table: one step of the batch reads the
 weights once (t_forward(0)), each request's attention over its own cache, and every row
 past the first costs the table's verify slope (the last measured verify ratio,
 per row) at its request's context. A draft without a survival estimate is kept whole.
+
+Requests whose caches are slots of one KV pool attend together, every slot padded to the
+batch's widest block: one request's long draft widens every slot's attention, which at
+long context is most of the step. There a row costs the linears' slope only, the widest
+draft sets every slot's attention growth, and each width is tried.
 """
 
 from __future__ import annotations
@@ -42,13 +47,24 @@ def row_seconds(latency: StepLatency, context: int) -> float:
     return max(latency.t_verify(widest, context) - latency.t_forward(context), 0.0) / (widest - 1)
 
 
-def batch_step_seconds(latency: StepLatency, contexts: Sequence[int], rows: Sequence[int]) -> float:
+def batch_step_seconds(
+    latency: StepLatency, contexts: Sequence[int], rows: Sequence[int], padded: bool = False
+) -> float:
     """One forward over requests at `contexts` with `rows` rows each (≥ 1): the weights once,
-    each request's attention over its cache, every row but the batch's first at its slope."""
+    each request's attention over its cache, every row but the batch's first at its slope.
+
+    `padded`: the requests' caches are slots of one KV pool, whose attention computes the
+    batch's widest block for every slot (layers.pooled_attention). Then a row costs the
+    linears' slope (that at context 0), and each slot's attention grows with the widest block.
+    """
     if not contexts or len(contexts) != len(rows) or min(rows) < 1:
         raise ValueError(f"a batch step needs one row count (>= 1) per request, got {list(rows)}")
     weights = latency.t_forward(0)
     attention = sum(latency.t_forward(n) - weights for n in contexts)
+    if padded:
+        per_row = row_seconds(latency, 0)
+        growth = per_row / weights if weights > 0 else 0.0  # a row's share of one row's cost
+        return weights + attention * (1 + growth * (max(rows) - 1)) + per_row * (sum(rows) - 1)
     extra = sum(k * row_seconds(latency, n) for n, k in zip(contexts, rows)) - row_seconds(latency, contexts[0])
     return weights + attention + extra
 
@@ -58,27 +74,47 @@ def trim_drafts(
     survival: Sequence[Sequence[float] | None],
     contexts: Sequence[int],
     latency: StepLatency,
+    padded: bool = False,
 ) -> list[int]:
     """How many tokens of each request's draft the batch verifies.
 
     `lengths[i]`: request i's draft tokens; `survival[i][j]`: the chance its tokens 0..j are
-    all accepted (None: no estimate, the draft is kept whole); `contexts[i]`: its cache length.
+    all accepted (None: no estimate, the draft is kept whole); `contexts[i]`: its cache length;
+    `padded`: as in batch_step_seconds — then the widest kept draft sets every slot's attention
+    cost, so each width is tried and the best kept.
     Every request emits one token a step whatever its draft, so a batch of R starts at R tokens.
     """
     if not len(lengths) == len(survival) == len(contexts):
         raise ValueError("trim_drafts needs a length, a survival and a context per request")
+    for i, (n, p) in enumerate(zip(lengths, survival)):
+        if p is not None and len(p) < n:
+            raise ValueError(f"request {i} drafts {n} tokens but has {len(p)} survival estimates")
+    if not padded:
+        return _best_under(lengths, survival, contexts, latency, max(lengths, default=0), padded)[0]
+    fixed = max((n for n, p in zip(lengths, survival) if p is None), default=0)
+    widths = range(fixed, max(lengths, default=0) + 1)
+    return max((_best_under(lengths, survival, contexts, latency, w, padded) for w in widths), key=lambda r: r[1])[0]
+
+
+def _best_under(lengths, survival, contexts, latency, width: int, padded: bool) -> tuple[list[int], float]:
+    """The best kept lengths with no estimated draft longer than `width`, and their expected
+    tokens per second; a padded step is costed at that width whatever is kept below it."""
     kept = [n if p is None else 0 for n, p in zip(lengths, survival)]
-    time = batch_step_seconds(latency, contexts, [1 + k for k in kept])
+    if padded:
+        row_costs = [row_seconds(latency, 0)] * len(lengths)
+        time = batch_step_seconds(latency, contexts, [1 + width] + [1] * (len(lengths) - 1), padded)
+        time += row_costs[0] * (sum(kept) - width)  # the rows kept, not the width's, at the linears' slope
+    else:
+        row_costs = [row_seconds(latency, n) for n in contexts]
+        time = batch_step_seconds(latency, contexts, [1 + k for k in kept])
     tokens = float(len(lengths))
     candidates = []
     for i, (n, p) in enumerate(zip(lengths, survival)):
         if p is None:
             continue
-        if len(p) < n:
-            raise ValueError(f"request {i} drafts {n} tokens but has {len(p)} survival estimates")
-        cost = row_seconds(latency, contexts[i])
+        cost = row_costs[i]
         chance = 1.0
-        for j in range(n):
+        for j in range(min(n, width)):
             chance = min(chance, max(float(p[j]), 0.0))  # a later position never survives more often
             candidates.append((chance / cost if cost > 0 else float("inf"), i, j, chance, cost))
     # Stable on ties: a request's positions stay in order, so each keeps a prefix.
@@ -89,4 +125,4 @@ def trim_drafts(
         kept[i] = j + 1
         tokens += chance
         time += cost
-    return kept
+    return kept, tokens / time

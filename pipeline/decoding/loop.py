@@ -18,6 +18,7 @@ from pipeline.decoding.sampling import SamplingParams, accept_greedy, accept_sam
 from pipeline.decoding.stats import GenerationStats
 from pipeline.errors import ConfigError
 from pipeline.model.kv_cache import KVCache
+from pipeline.model.kv_pool import PooledCache
 from pipeline.model.packing import RequestRows
 from pipeline.model.sublayer_model import SublayerModel
 
@@ -152,11 +153,13 @@ def fit_to_batch(requests: Sequence[DecodingRequest], drafts: Sequence[Draft]) -
     latency = next((getattr(requests[i].drafter, "latency", None) for i in estimated), None)
     if len(drafts) < 2 or latency is None:
         return drafts
+    pools = {id(r.cache.pool) if isinstance(r.cache, PooledCache) else None for r in requests}
     lengths = trim_drafts(
         [len(d.token_ids) for d in drafts],
         [d.survival for d in drafts],
         [r.cache.length for r in requests],
         latency,
+        padded=None not in pools and len(pools) == 1,  # one pooled attention (packing.pooled_rows)
     )
     return [d.prefix(n) for d, n in zip(drafts, lengths)]
 

@@ -27,28 +27,39 @@ from tests.builders import (
 )
 
 
-def expected_rate(kept, survival, contexts, latency) -> float:
+def expected_rate(kept, survival, contexts, latency, padded) -> float:
     tokens = len(kept) + sum(sum(p[:k]) for k, p in zip(kept, survival) if p is not None)
-    return tokens / batch_step_seconds(latency, contexts, [1 + k for k in kept])
+    return tokens / batch_step_seconds(latency, contexts, [1 + k for k in kept], padded)
 
 
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("growth", [0.02, 0.1, 0.3])
-def test_kept_positions_are_the_best_prefixes(growth):
-    """On random small batches, no choice of prefixes has a higher expected rate."""
+def test_kept_positions_are_the_best_prefixes(growth, padded):
+    """On random small batches, no choice of prefixes has a higher expected rate (some
+    drafts without an estimate, which are kept whole)."""
     latency = synthetic_latency(4, verify_growth=growth)
-    rng = random.Random(int(growth * 100))
+    rng = random.Random(int(growth * 100) + padded)
     for _ in range(60):
-        size = rng.randint(1, 3)
+        size = rng.randint(1, 4)
         lengths = [rng.randint(0, 3) for _ in range(size)]
-        survival = [sorted((rng.random() for _ in range(n)), reverse=True) for n in lengths]
+        survival = [None if rng.random() < 0.2 else sorted((rng.random() for _ in range(n)), reverse=True) for n in lengths]
         contexts = [rng.randint(10, 3000) for _ in range(size)]
-        kept = trim_drafts(lengths, survival, contexts, latency)
+        kept = trim_drafts(lengths, survival, contexts, latency, padded)
         assert all(0 <= k <= n for k, n in zip(kept, lengths))
-        best = max(
-            expected_rate(list(choice), survival, contexts, latency)
-            for choice in itertools.product(*(range(n + 1) for n in lengths))
-        )
-        assert expected_rate(kept, survival, contexts, latency) == pytest.approx(best, rel=1e-9)
+        assert all(k == n for k, n, p in zip(kept, lengths, survival) if p is None)
+        choices = itertools.product(*(range(n + 1) if p is not None else [n] for n, p in zip(lengths, survival)))
+        best = max(expected_rate(list(choice), survival, contexts, latency, padded) for choice in choices)
+        assert expected_rate(kept, survival, contexts, latency, padded) == pytest.approx(best, rel=1e-9)
+
+
+def test_a_pool_weighs_the_widest_draft_for_every_slot():
+    """Two of eight pooled requests draft: widening the pool's block widens all eight slots'
+    attention, so at long context the pool keeps shorter drafts than separate caches would."""
+    latency = synthetic_latency(4, verify_growth=0.15)
+    lengths, survival = [3, 3] + [0] * 6, [[0.6, 0.4, 0.3]] * 2 + [[]] * 6
+    for context, apart in ((200, [1, 1]), (6000, [3, 3])):
+        assert trim_drafts(lengths, survival, [context] * 8, latency)[:2] == apart
+        assert trim_drafts(lengths, survival, [context] * 8, latency, padded=True)[:2] == [1, 1]
 
 
 def test_cheap_rows_keep_drafts_and_dear_rows_cut_them():
