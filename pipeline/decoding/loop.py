@@ -12,13 +12,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.decoding.batch_drafts import trim_drafts
+from pipeline.decoding.batch_drafts import DraftBudget
 from pipeline.decoding.drafters import Draft, Drafter, DraftForward, DraftRequest, DraftSteps, NoDraft, draft_steps
 from pipeline.decoding.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
 from pipeline.decoding.stats import GenerationStats
 from pipeline.errors import ConfigError
 from pipeline.model.kv_cache import KVCache
-from pipeline.model.kv_pool import PooledCache
 from pipeline.model.packing import RequestRows
 from pipeline.model.sublayer_model import SublayerModel
 
@@ -96,14 +95,18 @@ def decode_batch(model: SublayerModel, requests: Sequence[DecodingRequest]) -> l
     so a request's tokens are those it would decode alone (up to the batch's rounding: a
     different token only where its top-2 logits nearly tie). A request leaves at EOS or its
     limit; the others go on."""
+    budget = DraftBudget()
     while running := [request for request in requests if request.running]:
         drafts = propose_together(model, running)
         for draft in drafts:
             if isinstance(draft, Exception):
                 raise draft
-        drafts = fit_to_batch(running, drafts)
+        drafts = budget.fit(running, drafts)
         blocks = [RequestRows(r.cache, r.verify_ids(d, model.device), r.cache.length) for r, d in zip(running, drafts)]
-        for request, draft, logits in zip(running, drafts, model.forward_batch(blocks, logits="all")):
+        started = time.perf_counter()
+        outputs = model.forward_batch(blocks, logits="all")
+        budget.observe(running, drafts, time.perf_counter() - started)
+        for request, draft, logits in zip(running, drafts, outputs):
             request.accept(draft, logits)
     return [request.result() for request in requests]
 
@@ -142,26 +145,6 @@ def propose_together(model: SublayerModel, requests: Sequence[DecodingRequest]) 
             for i, logits in zip(members, model.forward_batch(blocks, skip=skip, logits="last")):
                 advance(i, asking[i][0], logits[0])
     return drafts
-
-
-def fit_to_batch(requests: Sequence[DecodingRequest], drafts: Sequence[Draft]) -> list[Draft]:
-    """The drafts of requests verified together, each cut to the positions that pay in this
-    batch (batch_drafts.trim_drafts) by the latency table of a drafter that estimated its
-    draft's survival; a request alone verifies its draft as proposed (its drafter weighed it)."""
-    drafts = list(drafts)
-    estimated = [i for i, d in enumerate(drafts) if d.survival is not None]
-    latency = next((getattr(requests[i].drafter, "latency", None) for i in estimated), None)
-    if len(drafts) < 2 or latency is None:
-        return drafts
-    pools = {id(r.cache.pool) if isinstance(r.cache, PooledCache) else None for r in requests}
-    lengths = trim_drafts(
-        [len(d.token_ids) for d in drafts],
-        [d.survival for d in drafts],
-        [r.cache.length for r in requests],
-        latency,
-        padded=None not in pools and len(pools) == 1,  # one pooled attention (packing.pooled_rows)
-    )
-    return [d.prefix(n) for d, n in zip(drafts, lengths)]
 
 
 class DecodingRequest:

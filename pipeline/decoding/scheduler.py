@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.decoding.batch_drafts import DraftBudget
 from pipeline.decoding.drafters import Drafter
 from pipeline.decoding.loop import (
     DecodeConfig,
     DecodingRequest,
     GenerationResult,
     Prefilled,
-    fit_to_batch,
     propose_together,
 )
 from pipeline.decoding.sampling import SamplingParams
@@ -111,6 +111,7 @@ class ContinuousBatcher:
         self._reserved: dict[int, int] = {}  # ticket -> bytes of its cache
         self._tickets = iter(range(1 << 62))
         self.steps = 0
+        self.budget = DraftBudget()  # how much of each draft pays in the batch, learning its step cost
         self.pool: KVPool | None = None  # made at the first admission
 
     # --------------------------------------------------------------- intake
@@ -165,7 +166,7 @@ class ContinuousBatcher:
                 logger.error("Request %d: its drafter failed", ticket, exc_info=draft)
                 finished.append(self._fail(ticket, draft))
         pairs = [(t, r, d) for (t, r), d in zip(running, drafts) if not isinstance(d, Exception)]
-        fitted = fit_to_batch([r for _, r, _ in pairs], [d for _, _, d in pairs])
+        fitted = self.budget.fit([r for _, r, _ in pairs], [d for _, _, d in pairs])
         pairs = [(t, r, d) for (t, r, _), d in zip(pairs, fitted)]
         blocks = [RequestRows(r.cache, r.verify_ids(d, self.model.device), r.cache.length) for _, r, d in pairs]
         chunk = self._next_chunk()
@@ -186,6 +187,8 @@ class ContinuousBatcher:
             return finished
         seconds = time.perf_counter() - started
         self.steps += 1
+        if chunk is None:  # a prefill chunk's rows cost by other rules than the step model's
+            self.budget.observe([r for _, r, _ in pairs], [d for _, _, d in pairs], seconds)
         for (ticket, request, draft), logits in zip(pairs, outputs):
             request.accept(draft, logits)
             if not request.running:

@@ -1,6 +1,7 @@
 """Draft lengths for a batch (batch_drafts.py): the positions kept maximize the batch's
-expected tokens per second under the latency table's step cost, checked against brute
-force; cut drafts stay exact in a batch, greedy (tokens equal `ar` alone) and sampled (χ²)."""
+expected tokens per second under the step's cost, checked against brute force; the step
+cost from a table and fitted to timed steps (step_cost.py); cut drafts stay exact in a
+batch, greedy (tokens equal `ar` alone) and sampled (χ²)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import random
 import pytest
 import torch
 
-from pipeline.decoding.batch_drafts import batch_step_seconds, row_seconds, trim_drafts
+from pipeline.decoding.batch_drafts import trim_drafts
 from pipeline.decoding.drafters import Draft, DraftRequest, NoDraft
 from pipeline.decoding.loop import DecodeConfig, DecodingRequest, decode, decode_batch, prefill
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.step_cost import OnlineStepCost, StepCost
 from pipeline.knapspec.hybrid import KnapSpecLookupDrafter
 from tests.builders import (
     SEARCH_CONFIG,
@@ -27,9 +29,13 @@ from tests.builders import (
 )
 
 
-def expected_rate(kept, survival, contexts, latency, padded) -> float:
+def table_cost(num_layers: int, verify_growth: float) -> StepCost:
+    return StepCost.from_table(synthetic_latency(num_layers, verify_growth))
+
+
+def expected_rate(kept, survival, contexts, cost, padded) -> float:
     tokens = len(kept) + sum(sum(p[:k]) for k, p in zip(kept, survival) if p is not None)
-    return tokens / batch_step_seconds(latency, contexts, [1 + k for k in kept], padded)
+    return tokens / cost.seconds(contexts, [1 + k for k in kept], padded)
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -37,52 +43,101 @@ def expected_rate(kept, survival, contexts, latency, padded) -> float:
 def test_kept_positions_are_the_best_prefixes(growth, padded):
     """On random small batches, no choice of prefixes has a higher expected rate (some
     drafts without an estimate, which are kept whole)."""
-    latency = synthetic_latency(4, verify_growth=growth)
+    cost = table_cost(4, verify_growth=growth)
     rng = random.Random(int(growth * 100) + padded)
     for _ in range(60):
         size = rng.randint(1, 4)
         lengths = [rng.randint(0, 3) for _ in range(size)]
         survival = [None if rng.random() < 0.2 else sorted((rng.random() for _ in range(n)), reverse=True) for n in lengths]
         contexts = [rng.randint(10, 3000) for _ in range(size)]
-        kept = trim_drafts(lengths, survival, contexts, latency, padded)
+        kept = trim_drafts(lengths, survival, contexts, cost, padded)
         assert all(0 <= k <= n for k, n in zip(kept, lengths))
         assert all(k == n for k, n, p in zip(kept, lengths, survival) if p is None)
         choices = itertools.product(*(range(n + 1) if p is not None else [n] for n, p in zip(lengths, survival)))
-        best = max(expected_rate(list(choice), survival, contexts, latency, padded) for choice in choices)
-        assert expected_rate(kept, survival, contexts, latency, padded) == pytest.approx(best, rel=1e-9)
+        best = max(expected_rate(list(choice), survival, contexts, cost, padded) for choice in choices)
+        assert expected_rate(kept, survival, contexts, cost, padded) == pytest.approx(best, rel=1e-9)
 
 
 def test_a_pool_weighs_the_widest_draft_for_every_slot():
     """Two of eight pooled requests draft: widening the pool's block widens all eight slots'
     attention, so at long context the pool keeps shorter drafts than separate caches would."""
-    latency = synthetic_latency(4, verify_growth=0.15)
+    cost = table_cost(4, verify_growth=0.15)
     lengths, survival = [3, 3] + [0] * 6, [[0.6, 0.4, 0.3]] * 2 + [[]] * 6
     for context, apart in ((200, [1, 1]), (6000, [3, 3])):
-        assert trim_drafts(lengths, survival, [context] * 8, latency)[:2] == apart
-        assert trim_drafts(lengths, survival, [context] * 8, latency, padded=True)[:2] == [1, 1]
+        assert trim_drafts(lengths, survival, [context] * 8, cost)[:2] == apart
+        assert trim_drafts(lengths, survival, [context] * 8, cost, padded=True)[:2] == [1, 1]
 
 
 def test_cheap_rows_keep_drafts_and_dear_rows_cut_them():
     lengths, survival, contexts = [3, 3], [[0.9, 0.8, 0.7], [0.3, 0.2, 0.1]], [500, 500]
-    assert trim_drafts(lengths, survival, contexts, synthetic_latency(4, verify_growth=0.0)) == [3, 3]
-    assert trim_drafts(lengths, survival, contexts, synthetic_latency(4, verify_growth=0.4)) == [3, 0]
-    assert trim_drafts(lengths, survival, contexts, synthetic_latency(4, verify_growth=5.0)) == [0, 0]
+    assert trim_drafts(lengths, survival, contexts, table_cost(4, verify_growth=0.0)) == [3, 3]
+    assert trim_drafts(lengths, survival, contexts, table_cost(4, verify_growth=0.4)) == [3, 0]
+    assert trim_drafts(lengths, survival, contexts, table_cost(4, verify_growth=5.0)) == [0, 0]
     # A draft without an estimate is verified whole, and its rows still count.
-    assert trim_drafts([2, 3], [None, [0.3, 0.2, 0.1]], contexts, synthetic_latency(4, 0.4)) == [2, 0]
+    assert trim_drafts([2, 3], [None, [0.3, 0.2, 0.1]], contexts, table_cost(4, 0.4)) == [2, 0]
+    with pytest.raises(ValueError):
+        trim_drafts([3], [[0.9]], [100], table_cost(4, 0.4))
 
 
-def test_the_step_cost_shares_the_weights_and_not_the_attention():
+def test_the_step_cost_of_a_table_shares_the_weights_and_not_the_attention():
     latency = synthetic_latency(4, verify_growth=0.1)
-    one = batch_step_seconds(latency, [1000], [1])
-    assert one == pytest.approx(latency.t_forward(1000))
-    assert batch_step_seconds(latency, [1000], [5]) == pytest.approx(latency.t_verify(5, 1000))
-    two = batch_step_seconds(latency, [1000, 3000], [1, 1])
+    cost = StepCost.from_table(latency)
+    assert cost.seconds([1000], [1]) == pytest.approx(latency.t_forward(1000))
+    assert cost.seconds([1000], [5]) == pytest.approx(latency.t_verify(5, 1000))  # one request: the table
+    two = cost.seconds([1000, 3000], [1, 1])
     attention = latency.t_forward(3000) - latency.t_forward(0)
-    assert two == pytest.approx(one + attention + row_seconds(latency, 3000))
+    assert two == pytest.approx(latency.t_forward(1000) + attention + cost.per_row)
+    # In a pool every slot computes the widest block.
+    assert cost.seconds([1000, 3000], [4, 1], padded=True) == pytest.approx(
+        two + 3 * cost.per_row + 3 * cost.per_key_row * 4000
+    )
     with pytest.raises(ValueError):
-        batch_step_seconds(latency, [1000], [0])
-    with pytest.raises(ValueError):
-        trim_drafts([3], [[0.9]], [100], latency)
+        cost.seconds([1000], [0])
+
+
+def synthetic_steps(truth: StepCost, count: int, seed: int, slowdown: float = 1.0):
+    """Timed steps of batches of 2-8 requests at 0.3k-6k context, some drafting, some pooled,
+    with 5% noise and one step in twenty stalled (3× as long)."""
+    rng = random.Random(seed)
+    for k in range(count):
+        size = rng.randint(2, 8)
+        contexts = [rng.randint(300, 6000) for _ in range(size)]
+        rows = [1 + (rng.randint(0, 4) if rng.random() < 0.5 else 0) for _ in range(size)]
+        padded = rng.random() < 0.5
+        seconds = truth.seconds(contexts, rows, padded) * slowdown * rng.uniform(0.95, 1.05)
+        yield contexts, rows, padded, seconds * (3.0 if k % 20 == 7 else 1.0)
+
+
+def worst_error(cost: StepCost, truth: StepCost, seed: int, slowdown: float = 1.0) -> float:
+    errors = []
+    for contexts, rows, padded, _ in synthetic_steps(truth, 200, seed):
+        expected = truth.seconds(contexts, rows, padded) * slowdown
+        errors.append(abs(cost.seconds(contexts, rows, padded) - expected) / expected)
+    return max(errors)
+
+
+def test_timed_steps_correct_a_table_twice_off_and_follow_a_slower_device():
+    truth = StepCost(fixed=0.02, per_row=0.003, per_key=6e-6, per_key_row=1.5e-6)
+    online = OnlineStepCost(StepCost(*(2 * v for v in truth.as_tuple())))  # a table measured 2× slow
+    assert worst_error(online.current(), truth, seed=1) > 0.9
+    for step in synthetic_steps(truth, 40, seed=2):
+        online.observe(*step)
+    assert worst_error(online.current(), truth, seed=3) < 0.15
+    for step in synthetic_steps(truth, 100, seed=4, slowdown=1.5):  # the device slows down mid-run
+        online.observe(*step)
+    assert worst_error(online.current(), truth, seed=5, slowdown=1.5) < 0.15
+
+
+def test_steps_that_never_draft_keep_the_tables_draft_costs():
+    """A batch that only decodes says nothing of what query rows cost: those stay the table's."""
+    table = StepCost(fixed=0.02, per_row=0.003, per_key=6e-6, per_key_row=1.5e-6)
+    online = OnlineStepCost(table)
+    rng = random.Random(0)
+    for _ in range(60):
+        contexts = [rng.randint(300, 6000) for _ in range(rng.randint(2, 8))]
+        online.observe(contexts, [1] * len(contexts), True, table.seconds(contexts, [1] * len(contexts)))
+    assert online.current().per_key_row == pytest.approx(table.per_key_row, rel=0.05)
+    assert online.current().per_key == pytest.approx(table.per_key, rel=0.05)
 
 
 def test_hybrid_drafts_cut_in_a_batch_keep_every_request_exact(tiny_llama):
@@ -143,7 +198,7 @@ def test_sampling_with_cut_drafts_in_a_batch_matches_the_model_distribution(tiny
     estimates = [0.05, 0.1, 0.2, 0.4, 0.6, 0.9]
     prefilled = prefill(model, prompt, 3)
     # One draft token each (three tokens, the first from the prompt's logits): some pay, some not.
-    kept = trim_drafts([1] * 6, [[e] for e in estimates], [prompt.numel()] * 6, latency)
+    kept = trim_drafts([1] * 6, [[e] for e in estimates], [prompt.numel()] * 6, StepCost.from_table(latency))
     assert 0 < sum(kept) < 6, "the batch must cut some drafts and keep others"
     tally = SampleTally()
     for b in range(500):

@@ -1,0 +1,137 @@
+"""What one batched decode step costs, from the latency table and from the steps themselves.
+
+A step over requests i with n_i cached tokens, M rows in all, and q_i query rows each
+request's attention computes (its own rows; in a KV pool, the batch's widest block):
+
+    T = fixed + per_row · M + per_key · Σ n_i + per_key_row · Σ n_i (q_i − 1)
+
+The linears read the weights once (`fixed`) and grow by rows (`per_row`); each request
+reads its own cache (`per_key` per cached token) and pays more for each query row past
+the first (`per_key_row`). The latency table gives a first estimate (a table measured
+on a busy machine can be off by a quarter), and the engine's own step timings correct
+it: a least-squares fit, pulled toward the table where the steps say little (a batch
+that never drafts says nothing of `per_key_row`), weighted to the most recent steps so
+that a device slowing down mid-run is followed, and robust to the odd stalled step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+# Steps remembered, and the age (in steps) at which one counts half.
+DEFAULT_WINDOW = 128
+DEFAULT_HALF_LIFE = 32.0
+# The table's weight in the fit, in steps' worth: a step outvotes it.
+PRIOR_STEPS = 0.25
+# Relative errors beyond this weigh less (Huber); beyond STALL, none in the final fit.
+HUBER_DELTA = 0.1
+STALL = 0.5
+
+
+class StepLatency(Protocol):
+    """What a latency table (knapspec.latency's LatencyModel or PipelineLatency) answers."""
+
+    @property
+    def max_verify(self) -> int: ...
+
+    def t_forward(self, n: int) -> float: ...
+
+    def t_verify(self, k: int, n: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The coefficients of the step's cost (seconds; see the module's formula)."""
+
+    fixed: float
+    per_row: float
+    per_key: float
+    per_key_row: float
+
+    @classmethod
+    def from_table(cls, latency: StepLatency, probe_context: int = 4096) -> StepCost:
+        """From a table: one row's forward at context 0 and at `probe_context`, and the slope
+        of its verify curve (the last measured ratio, per row), shared by linears and attention."""
+        base = latency.t_forward(0)
+        per_key = max(latency.t_forward(probe_context) - base, 0.0) / probe_context
+        widest = latency.max_verify
+        slope = (latency.t_verify(widest, 0) / base - 1.0) / (widest - 1) if widest > 1 and base > 0 else 0.0
+        slope = max(slope, 0.0)
+        return cls(fixed=base * (1 - slope), per_row=base * slope, per_key=per_key, per_key_row=per_key * slope)
+
+    def features(self, contexts: Sequence[int], rows: Sequence[int], padded: bool) -> tuple[float, float, float, float]:
+        if not contexts or len(contexts) != len(rows) or min(rows) < 1:
+            raise ValueError(f"a batch step needs one row count (>= 1) per request, got {list(rows)}")
+        widest = max(rows)
+        queries = [widest] * len(rows) if padded else rows
+        return 1.0, float(sum(rows)), float(sum(contexts)), float(sum(n * (q - 1) for n, q in zip(contexts, queries)))
+
+    def seconds(self, contexts: Sequence[int], rows: Sequence[int], padded: bool = False) -> float:
+        """One step over requests at `contexts` with `rows` rows each; `padded`: their caches are
+        slots of one KV pool (layers.pooled_attention computes the widest block for every slot)."""
+        f = self.features(contexts, rows, padded)
+        return f[0] * self.fixed + f[1] * self.per_row + f[2] * self.per_key + f[3] * self.per_key_row
+
+    def as_tuple(self) -> tuple[float, float, float, float]:
+        return self.fixed, self.per_row, self.per_key, self.per_key_row
+
+
+class OnlineStepCost:
+    """The step cost fitted to the steps the engine timed, starting from a table's."""
+
+    def __init__(
+        self, prior: StepCost, window: int = DEFAULT_WINDOW, half_life: float = DEFAULT_HALF_LIFE
+    ) -> None:
+        self.prior = prior
+        self._steps: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        self._half_life = half_life
+        self._fitted: StepCost | None = prior
+
+    def observe(self, contexts: Sequence[int], rows: Sequence[int], padded: bool, seconds: float) -> None:
+        """One timed step (without a prefill chunk: its rows cost by other rules)."""
+        if math.isfinite(seconds) and seconds > 0:
+            self._steps.append((self.prior.features(contexts, rows, padded), seconds))
+            self._fitted = None
+
+    @property
+    def num_steps(self) -> int:
+        return len(self._steps)
+
+    def current(self) -> StepCost:
+        if self._fitted is None:
+            self._fitted = self._fit()
+        return self._fitted
+
+    def _fit(self) -> StepCost:
+        prior = torch.tensor(self.prior.as_tuple(), dtype=torch.float64)
+        x = torch.tensor([f for f, _ in self._steps], dtype=torch.float64)  # [S, 4]
+        y = torch.tensor([t for _, t in self._steps], dtype=torch.float64)
+        ages = torch.arange(len(y) - 1, -1, -1, dtype=torch.float64)
+        recency = 0.5 ** (ages / self._half_life)
+        # Relative errors: a long step counts as much as a short one.
+        x, target = x / y[:, None], torch.ones_like(y)
+        # The table's pull on each coefficient: PRIOR_STEPS steps' worth of seeing it alone.
+        # A coefficient the steps never show (no step drafted) keeps the table's value.
+        seen = (x.abs() * recency[:, None]).sum(0) / recency.sum()
+        unseen = torch.where(prior > 0, 1e-3 / prior.clamp_min(1e-30), torch.ones_like(prior))
+        pull = torch.maximum(seen, unseen) * math.sqrt(PRIOR_STEPS)
+        theta = prior
+        for _ in range(8):  # iteratively reweighted least squares, from the table: Huber, then trimmed
+            residual = (target - x @ theta).abs()
+            weights = recency * (HUBER_DELTA / residual.clamp_min(1e-12)).clamp(max=1.0)
+            sw = weights.sqrt()
+            a = torch.cat([x * sw[:, None], torch.diag(pull)])
+            b = torch.cat([target * sw, pull * prior])
+            theta = torch.linalg.lstsq(a, b[:, None]).solution[:, 0].clamp_min(0.0)
+        residual = (target - x @ theta).abs()
+        sw = (recency * (residual < STALL)).sqrt()  # a stalled step (a neighbour's burst) is no evidence
+        a = torch.cat([x * sw[:, None], torch.diag(pull)])
+        b = torch.cat([target * sw, pull * prior])
+        theta = torch.linalg.lstsq(a, b[:, None]).solution[:, 0].clamp_min(0.0)
+        return StepCost(*(float(v) for v in theta))
