@@ -29,6 +29,7 @@ DEFAULT_WINDOW = 128
 DEFAULT_HALF_LIFE = 32.0
 # The table's weight in the fit, in steps' worth: a step outvotes it.
 PRIOR_STEPS = 0.25
+REFIT_EVERY = 4
 # Relative errors beyond this weigh less (Huber); beyond STALL, none in the final fit.
 HUBER_DELTA = 0.1
 STALL = 0.5
@@ -91,21 +92,23 @@ class OnlineStepCost:
         self.prior = prior
         self._steps: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
         self._half_life = half_life
-        self._fitted: StepCost | None = prior
+        self._fitted = prior
+        self._unfitted = 0  # steps observed since the last fit
 
     def observe(self, contexts: Sequence[int], rows: Sequence[int], padded: bool, seconds: float) -> None:
         """One timed step (without a prefill chunk: its rows cost by other rules)."""
         if math.isfinite(seconds) and seconds > 0:
             self._steps.append((self.prior.features(contexts, rows, padded), seconds))
-            self._fitted = None
+            self._unfitted += 1
 
     @property
     def num_steps(self) -> int:
         return len(self._steps)
 
     def current(self) -> StepCost:
-        if self._fitted is None:
-            self._fitted = self._fit()
+        # A fit costs ~1-2 ms on a CPU, a few percent of a step: refit every few steps.
+        if self._unfitted >= REFIT_EVERY or (self._unfitted and self._fitted is self.prior):
+            self._fitted, self._unfitted = self._fit(), 0
         return self._fitted
 
     def _fit(self) -> StepCost:
