@@ -46,6 +46,7 @@ class KnapSpecLookupDrafter:
         self._tries = [0] * self.max_draft
         self._reached = [0] * self.max_draft
         self._used_lookup = False
+        self._proposed: tuple[int, list[int]] = (0, [])  # the copy last proposed: where it starts, its tokens
         # Declined copies awaiting the tokens that score them: (where they start, tokens).
         self._shadows: list[tuple[int, list[int]]] = []
 
@@ -103,6 +104,7 @@ class KnapSpecLookupDrafter:
             tpt_layers = plan.predicted_tpt if plan is not None else 1.0 / self.latency.t_verify(1, context)
             if tpt_lookup >= tpt_layers:
                 self._used_lookup = True
+                self._proposed = (len(request.token_ids), draft.token_ids)
                 return draft
             # The tokens after `pending` will tell how this copy would have done, position by position.
             self._shadows.append((len(request.token_ids), copied))
@@ -113,7 +115,15 @@ class KnapSpecLookupDrafter:
             self.num_lookup_steps += 1
             self.num_lookup_drafted += num_drafted
             self.num_lookup_accepted += num_accepted
-            self.count(num_drafted, num_accepted)
+            start, proposed = self._proposed
+            cut = num_drafted < len(proposed)  # a batch verified only part of the copy
+            if cut and num_accepted == num_drafted:
+                # All of that part accepted: the tokens emitted next tell how the rest would
+                # have done, as for a declined copy.
+                self._shadows.append((start, proposed))
+            else:
+                # A miss ends the copy: positions past it were not reached, verified or cut.
+                self.count(len(proposed) if cut else num_drafted, num_accepted)
             self.lookup.observe(num_drafted, num_accepted)
         else:
             self.knapspec.observe(num_drafted, num_accepted)

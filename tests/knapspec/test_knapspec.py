@@ -161,6 +161,22 @@ def test_hybrid_scores_the_copies_it_declines():
     assert hybrid._tries[:3] == [4, 3, 3] and hybrid._reached[:3] == [3, 2, 1] and hybrid._shadows == []
 
 
+def test_hybrid_scores_the_part_of_a_copy_a_batch_cut():
+    """A batch may verify only the first tokens of a copy (batch_drafts.py): the rest is scored
+    by the tokens emitted next, as a declined copy is, or counted as missed after a miss."""
+    hybrid = KnapSpecLookupDrafter(synthetic_latency(8, verify_growth=0.0), SEARCH_CONFIG, PromptLookupDrafter())
+    prompt = [5, 6, 7, 8]
+    hybrid._used_lookup, hybrid._proposed = True, (4, [1, 2, 3])
+    hybrid.observe(1, 1)  # [1] verified and accepted: [2, 3] wait for the tokens after it
+    assert hybrid._tries[:3] == [0, 0, 0] and hybrid._shadows == [(4, [1, 2, 3])]
+    hybrid.score_declined(prompt + [1, 2, 4])
+    assert hybrid._tries[:3] == [1, 1, 1] and hybrid._reached[:3] == [1, 1, 0]
+    hybrid._proposed = (7, [4, 4, 4])
+    hybrid.observe(2, 0)  # a miss in the verified part: the cut position was not reached either
+    assert hybrid._tries[:3] == [2, 2, 2] and hybrid._reached[:3] == [1, 1, 0]
+    assert hybrid.summary()["num_lookup_steps"] == 2
+
+
 def test_hybrid_keeps_learning_after_early_misses(tiny_deep_llama):
     """A hybrid that only learned from copies it drafted would stop copying for good after
     a run of misses; scoring the declined ones lets a copy that starts to pay be taken again."""
