@@ -66,7 +66,9 @@ class StepCost:
         slope = max(slope, 0.0)
         return cls(fixed=base * (1 - slope), per_row=base * slope, per_key=per_key, per_key_row=per_key * slope)
 
-    def features(self, contexts: Sequence[int], rows: Sequence[int], padded: bool) -> tuple[float, float, float, float]:
+    @staticmethod
+    def features(contexts: Sequence[int], rows: Sequence[int], padded: bool) -> tuple[float, float, float, float]:
+        """What the coefficients multiply: 1, M, Σ nᵢ, Σ nᵢ (qᵢ − 1)."""
         if not contexts or len(contexts) != len(rows) or min(rows) < 1:
             raise ValueError(f"a batch step needs one row count (>= 1) per request, got {list(rows)}")
         widest = max(rows)
@@ -98,7 +100,7 @@ class OnlineStepCost:
     def observe(self, contexts: Sequence[int], rows: Sequence[int], padded: bool, seconds: float) -> None:
         """One timed step (without a prefill chunk: its rows cost by other rules)."""
         if math.isfinite(seconds) and seconds > 0:
-            self._steps.append((self.prior.features(contexts, rows, padded), seconds))
+            self._steps.append((StepCost.features(contexts, rows, padded), seconds))
             self._unfitted += 1
 
     @property
@@ -124,17 +126,17 @@ class OnlineStepCost:
         seen = (x.abs() * recency[:, None]).sum(0) / recency.sum()
         unseen = torch.where(prior > 0, 1e-3 / prior.clamp_min(1e-30), torch.ones_like(prior))
         pull = torch.maximum(seen, unseen) * math.sqrt(PRIOR_STEPS)
-        theta = prior
-        for _ in range(8):  # iteratively reweighted least squares, from the table: Huber, then trimmed
-            residual = (target - x @ theta).abs()
-            weights = recency * (HUBER_DELTA / residual.clamp_min(1e-12)).clamp(max=1.0)
+
+        def solve(weights: torch.Tensor) -> torch.Tensor:
             sw = weights.sqrt()
             a = torch.cat([x * sw[:, None], torch.diag(pull)])
             b = torch.cat([target * sw, pull * prior])
-            theta = torch.linalg.lstsq(a, b[:, None]).solution[:, 0].clamp_min(0.0)
+            return torch.linalg.lstsq(a, b[:, None]).solution[:, 0].clamp_min(0.0)
+
+        theta = prior
+        for _ in range(8):  # iteratively reweighted least squares from the table (Huber)
+            residual = (target - x @ theta).abs()
+            theta = solve(recency * (HUBER_DELTA / residual.clamp_min(1e-12)).clamp(max=1.0))
         residual = (target - x @ theta).abs()
-        sw = (recency * (residual < STALL)).sqrt()  # a stalled step (a neighbour's burst) is no evidence
-        a = torch.cat([x * sw[:, None], torch.diag(pull)])
-        b = torch.cat([target * sw, pull * prior])
-        theta = torch.linalg.lstsq(a, b[:, None]).solution[:, 0].clamp_min(0.0)
+        theta = solve(recency * (residual < STALL))  # a stalled step (a neighbour's burst) is no evidence
         return StepCost(*(float(v) for v in theta))
