@@ -247,14 +247,21 @@ def items_skipped_per_stage(pipeline, weights: list[int], items_per_stage: int =
 NEAR_TIE = 1e-4
 
 
-def assert_same_or_near_tie(model, prompt: torch.Tensor, got: list[int], expected: list[int]) -> None:
-    """Equal tokens, or a first difference where the request alone had nearly tied top-2 logits."""
+def assert_same_or_near_tie(
+    model, prompt: torch.Tensor, got: list[int], expected: list[int], params: SamplingParams = SamplingParams()
+) -> None:
+    """Equal tokens, or a first difference where the request alone had nearly tied top-2 logits
+    (processed by `params`' repetition control, which is what its greedy choice read)."""
     if got == expected:
         return
     first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
     assert first < min(len(got), len(expected)), f"one stopped early: {len(got)} vs {len(expected)} tokens"
     cache = model.new_cache(prompt.numel() + first + 1)
     logits = model.prefill(cache, torch.cat([prompt, torch.tensor(expected[:first], dtype=torch.long)]))
+    repetition = params.repetition(prompt.tolist())
+    if repetition is not None:
+        repetition.extend(expected[:first])
+        logits = repetition.process_row(logits)
     top2 = logits.topk(2).values
     gap = float(top2[0] - top2[1])
     assert gap < NEAR_TIE, f"token {first} differs in the batch without a near-tie (top-2 gap {gap:.2e})"

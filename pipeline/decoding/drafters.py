@@ -8,12 +8,13 @@ drafted token costs a forward of the draft model.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Generator, Iterable
+from collections.abc import Collection, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from pipeline.decoding.repetition import RepetitionState
 from pipeline.decoding.sampling import SamplingParams, probabilities, sample
 from pipeline.errors import ConfigError
 from pipeline.model import items
@@ -51,10 +52,16 @@ class DraftRequest:
     params: SamplingParams
     generator: torch.Generator | None
     eos_token_ids: Collection[int]
+    # The request's repetition control (None: off): drafts are proposed under it, as they are verified.
+    repetition: RepetitionState | None = None
 
     @property
     def pending(self) -> int:
         return self.token_ids[-1]
+
+    def process(self, logits: torch.Tensor, drafted: Sequence[int]) -> torch.Tensor:
+        """A draft forward's logits [V] after `drafted`, as verification will process that row."""
+        return logits if self.repetition is None else self.repetition.process_row(logits, drafted)
 
 
 @dataclass(frozen=True)
@@ -147,7 +154,7 @@ class LayerSkipDrafter:
         dists: list[torch.Tensor] = []
         token = request.pending
         for j in range(min(self.max_draft, request.max_tokens)):
-            logits = yield DraftForward(token, cache.length + j, self.skip)
+            logits = request.process((yield DraftForward(token, cache.length + j, self.skip)), tokens)
             if params.greedy:
                 token = int(logits.argmax())
                 confidence = torch.softmax(logits, dim=-1)[token].item()

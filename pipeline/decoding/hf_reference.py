@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.decoding.sampling import SamplingParams
+from pipeline.errors import ConfigError
 from pipeline.model.linear import ComputeMode
 
 
@@ -98,16 +99,36 @@ def _generation_config(
 ):
     from transformers import GenerationConfig
 
+    everywhere = params.repetition_scope == "all"
+    if params.no_repeat_ngram_size and not everywhere:
+        raise ConfigError(
+            "transformers' generate() bans repeated n-grams over the prompt too: it has no answer-only "
+            "no_repeat_ngram_size (use repetition_scope 'all' to compare with it)"
+        )
     return GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=not params.greedy,
         temperature=params.temperature if not params.greedy else None,
         top_p=params.top_p if not params.greedy else None,
         top_k=params.top_k if not params.greedy else None,
+        # An answer-only penalty is a processor of its own (_logits_processors).
+        repetition_penalty=params.repetition_penalty if everywhere and params.repetition_penalty != 1.0 else None,
+        no_repeat_ngram_size=params.no_repeat_ngram_size or None,
         eos_token_id=sorted(eos_token_ids),
         pad_token_id=pad_token_id,
         num_beams=1,
         **extra,
+    )
+
+
+def _logits_processors(params: SamplingParams, prompt_width: int):
+    """transformers' own penalty told to ignore the (padded) prompt, for an answer-only scope."""
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    if params.repetition_scope == "all" or params.repetition_penalty == 1.0:
+        return None
+    return LogitsProcessorList(
+        [RepetitionPenaltyLogitsProcessor(float(params.repetition_penalty), prompt_ignore_length=prompt_width)]
     )
 
 
@@ -128,7 +149,11 @@ def _generate(model, prompts: Sequence[torch.Tensor], generation_config, params:
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
-            input_ids, attention_mask=attention_mask, generation_config=generation_config, streamer=clock
+            input_ids,
+            attention_mask=attention_mask,
+            generation_config=generation_config,
+            logits_processor=_logits_processors(params, width),
+            streamer=clock,
         )
     t1 = time.perf_counter()
     first = clock.first_token_at or t1

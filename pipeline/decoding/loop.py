@@ -163,9 +163,16 @@ class DecodingRequest:
         self.config, self.params = config, params
         self.drafter = drafter or NoDraft()
         self.generator = params.generator()
+        if prompt_ids is None and params.controls_repetition and params.repetition_scope == "all":
+            raise ConfigError("repetition control over the prompt needs the prompt's token ids (prompt_ids)")
+        # Repetition control processes every row this request's tokens are chosen from (repetition.py).
+        self.repetition = params.repetition(prompt_ids or [])
         self.stats = GenerationStats(prompt_tokens=prefilled.prompt_tokens, prefill_s=prefilled.seconds)
         self._t0 = time.perf_counter()
-        self.pending = _choose(prefilled.logits, params, self.generator)  # its KV is not in the cache yet
+        logits = prefilled.logits if self.repetition is None else self.repetition.process_row(prefilled.logits)
+        self.pending = _choose(logits, params, self.generator)  # its KV is not in the cache yet
+        if self.repetition is not None:
+            self.repetition.extend([self.pending])
         self.output = [self.pending]
         self.history = list(prompt_ids or []) + self.output  # prompt + emitted, kept in step with `output`
         self.running = True
@@ -182,7 +189,14 @@ class DecodingRequest:
         # Drafting past the token limit is wasted: the verify step emits one token more than it drafts.
         room = self.config.max_new_tokens - len(self.output) - 1
         return DraftRequest(
-            model, self.cache, self.history, room, self.params, self.generator, self.config.eos_token_ids
+            model,
+            self.cache,
+            self.history,
+            room,
+            self.params,
+            self.generator,
+            self.config.eos_token_ids,
+            self.repetition,
         )
 
     def verify_ids(self, draft: Draft, device: torch.device) -> torch.Tensor:
@@ -191,7 +205,10 @@ class DecodingRequest:
 
     def accept(self, draft: Draft, logits: torch.Tensor) -> None:
         """Accept from the verify forward's logits [1 + n, V]: the longest matching prefix and the
-        model's own next token (greedy), or speculative rejection sampling."""
+        model's own next token (greedy), or speculative rejection sampling. Under repetition
+        control, row i is processed with the history and the draft's first i tokens."""
+        if self.repetition is not None:
+            logits = self.repetition.process(logits, draft.token_ids)
         if self.params.greedy:
             emitted = accept_greedy(draft.token_ids, logits)
         else:
@@ -206,6 +223,8 @@ class DecodingRequest:
         for token in emitted:
             self.output.append(token)
             self.history.append(token)
+            if self.repetition is not None:
+                self.repetition.extend([token])
             if token in self.config.eos_token_ids or len(self.output) >= self.config.max_new_tokens:
                 break
         self.pending = self.output[-1]

@@ -126,6 +126,11 @@ class PromptLookupDrafter:
             tokens.append(token)
             if token in request.eos_token_ids:
                 break
+        if request.repetition is not None:
+            # A copy repeats by nature: it stops before the first token the n-gram ban forbids.
+            tokens = tokens[: request.repetition.allowed(tokens)]
+            if not tokens:
+                return Draft([])
         if request.params.greedy:
             return Draft(tokens)
         model = request.model

@@ -5,27 +5,34 @@ drawn from the draft distribution q is kept with probability min(1, p(x) / q(x))
 at the first rejection the token is redrawn from normalize(max(p - q, 0)); if every
 draft is kept, one bonus token is drawn from p. The emitted sequence is then
 distributed exactly as sampling from p token by token. `p` and `q` here are the
-processed distributions (temperature, top-k, top-p), so "exactly the model's" means
+processed distributions (repetition control, temperature, top-k, top-p), so "exactly the model's" means
 exactly what plain sampling with the same settings would give.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from pipeline.decoding.repetition import REPETITION_SCOPES, RepetitionState
 from pipeline.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1.0 switch those filters off."""
+    """temperature 0 means greedy; top_k 0 and top_p 1.0 switch those filters off.
+    repetition_penalty 1.0 and no_repeat_ngram_size 0 switch repetition control off; its scope
+    is the prompt and the answer ("all", as transformers) or the answer only (repetition.py)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    repetition_scope: str = "all"
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -34,10 +41,29 @@ class SamplingParams:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
+        if not self.repetition_penalty > 0:
+            raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.no_repeat_ngram_size < 0:
+            raise ConfigError(f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
+        if self.repetition_scope not in REPETITION_SCOPES:
+            raise ConfigError(
+                f"repetition_scope must be one of {', '.join(REPETITION_SCOPES)}, got {self.repetition_scope!r}"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def controls_repetition(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0
+
+    def repetition(self, prompt_ids: Sequence[int]) -> RepetitionState | None:
+        """A request's repetition state after its prompt; None when repetition control is off."""
+        if not self.controls_repetition:
+            return None
+        history = prompt_ids if self.repetition_scope == "all" else ()
+        return RepetitionState(self.repetition_penalty, self.no_repeat_ngram_size, history)
 
     def generator(self) -> torch.Generator | None:
         if self.greedy:
