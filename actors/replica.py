@@ -12,18 +12,21 @@ import logging
 import os
 import threading
 import time
+import uuid
 from dataclasses import dataclass, replace
 
 import ray
 from ray.util.placement_group import remove_placement_group
 
+from actors.metrics import ReplicaMetrics
 from actors.profiler import start_profilers
 from actors.shard import reserve, stage_bundles
 from pipeline.decoding.sampling import SamplingParams
-from pipeline.engine import Engine, EngineConfig, StrategyConfig
+from pipeline.engine import REGISTRY, Engine, EngineConfig, StrategyConfig
 from pipeline.errors import ConfigError
 from pipeline.logs import configure_worker_logging
 from profiling.calibration import store_calibrator
+from profiling.microbench import SUSPECT_RESIDUAL
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +35,8 @@ logger = logging.getLogger(__name__)
 # request returns what the first attempt would have.
 MAX_RESTARTS = 2
 MAX_TASK_RETRIES = 2
+# A pool's replicas by name: unique per pool, so that pools of several jobs never meet.
+REPLICA_NAME = "knapspec-replica-{pool}-{index}"
 
 
 class EngineReplica:
@@ -52,12 +57,12 @@ class EngineReplica:
         import torch
 
         from pipeline.decoding.serving import BatchingThread
-        from pipeline.engine import REGISTRY
 
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         configure_worker_logging()
         started = time.perf_counter()
+        self.calibration_dir = engine_config.calibration_dir
         self.engine = Engine(engine_config, calibrator=store_calibrator(engine_config.calibration_dir))
         self.strategy = strategy
         self.max_batch = max_batch
@@ -68,7 +73,14 @@ class EngineReplica:
         if REGISTRY[strategy.name].build is not None:
             self.lanes = [BatchingThread(self.engine.batcher(max_batch))]
         self._one_at_a_time = threading.Lock()
+        self._start_metrics()
         self.load_s = time.perf_counter() - started
+
+    def _start_metrics(self) -> None:
+        """Ray metrics where this runs inside Ray (tests also build replicas in-process, without it)."""
+        inside = ray.is_initialized()
+        self.metrics = ReplicaMetrics(self.engine.name, self.strategy.name) if inside else None
+        self.replica_name = (ray.get_runtime_context().get_actor_name() if inside else None) or str(os.getpid())
 
     def info(self) -> dict:
         import torch
@@ -81,29 +93,51 @@ class EngineReplica:
             "load_s": self.load_s,
             "max_batch": self.max_batch,
             "pid": os.getpid(),
+            "calibration_residual": self._calibration_residual(),
         }
+
+    def _calibration_residual(self) -> float | None:
+        """The worst fit residual of the stored table this replica's search uses (None: none used)."""
+        from pipeline.engine import REGISTRY
+        from profiling.calibration import CalibrationStore
+        from profiling.record import DEFAULT_LAYOUT, CalibrationKey
+
+        if not REGISTRY[self.strategy.name].searching or not hasattr(self.engine.model, "spec"):
+            return None
+        try:
+            key = CalibrationKey.for_model(self.engine.model, self.engine.name, layout=DEFAULT_LAYOUT)
+            stored = CalibrationStore(self.calibration_dir).get(key)
+        except Exception:  # a model whose stages run elsewhere, an unreadable store: nothing to say
+            return None
+        return max(stored.fit_residuals.values(), default=None) if stored is not None else None
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams) -> dict:
         import torch
 
         prompt = torch.tensor(prompt_ids, dtype=torch.long)
-        if self.lanes:
-            lane = min(self.lanes, key=lambda lane: lane.batcher.num_requests)
-            result = lane.generate(self.engine.request(prompt, self.strategy, max_new_tokens, params))
-        else:
-            with self._one_at_a_time:
-                result = self.engine.generate(prompt, self.strategy, max_new_tokens, params)
-        return {
-            "token_ids": result.token_ids,
-            "finish_reason": result.finish_reason,
-            "stats": result.stats.to_dict(),
-            "extra": result.extra,
-        }
+        if self.metrics is not None:
+            self.metrics.start(self.replica_name)
+        stats = None
+        try:
+            if self.lanes:
+                lane = min(self.lanes, key=lambda lane: lane.batcher.num_requests)
+                result = lane.generate(self.engine.request(prompt, self.strategy, max_new_tokens, params))
+            else:
+                with self._one_at_a_time:
+                    result = self.engine.generate(prompt, self.strategy, max_new_tokens, params)
+            stats = result.stats.to_dict()
+        finally:
+            if self.metrics is not None:
+                self.metrics.finish(self.replica_name, stats)
+        return {"token_ids": result.token_ids, "finish_reason": result.finish_reason, "stats": stats, "extra": result.extra}
 
 
-# CPUs left to Ray Data's own tasks (reading, the summarize stage's dispatchers, writing)
-# when replicas are placed: with every CPU held by a replica, the job would wait forever.
-DATA_CPUS = 0.5
+# CPUs left to Ray Data when replicas are placed (with every CPU held by a replica, a data
+# task would wait forever): USER_TASK_CPUS for one task at Ray Data's default of one CPU (a
+# user's own read, map, filter or write around the summarize stage, actors/summarizer.py),
+# and a quarter for the job's light stages (its reads, filters, dispatchers and writes).
+USER_TASK_CPUS = 1.0
+DATA_CPUS = USER_TASK_CPUS + 0.25
 
 
 class PipelineReplica(EngineReplica):
@@ -136,7 +170,7 @@ class PipelineReplica(EngineReplica):
         from actors.profiler import calibrate_pipeline
         from actors.shard import start_pipeline
         from pipeline.decoding.serving import BatchingThread
-        from pipeline.engine import REGISTRY, SEARCHING_STRATEGIES
+        from pipeline.engine import SEARCHING_STRATEGIES
         from pipeline.model import checkpoint
         from pipeline.model.linear import resolve_compute_mode
 
@@ -174,6 +208,7 @@ class PipelineReplica(EngineReplica):
         self.strategy = strategy
         self.max_batch = max_batch
         self.lanes = [BatchingThread(self.engine.batcher(max_batch), name=f"lane-{k}") for k in range(num_stages)]
+        self._start_metrics()
         self.load_s = time.perf_counter() - started
         self.num_threads = num_threads
         self.tensor_parallel = tensor_parallel
@@ -259,23 +294,36 @@ class ReplicaPool:
         stages, ranks = resources.pipeline_parallel, resources.tensor_parallel
         self.groups: list = []
         self.profilers: dict = {}
+        # Named, so that the summarize stage's actors take plain names, and one restarted by Ray
+        # Data looks its replicas up again rather than relying on handles in its arguments.
+        pool = uuid.uuid4().hex[:12]
+        self.names = [REPLICA_NAME.format(pool=pool, index=i) for i in range(count)]
         if stages == 1 and ranks == 1:
-            actor = ray.remote(EngineReplica).options(
-                num_cpus=num_cpus,
-                num_gpus=resources.num_gpus,
-                max_restarts=MAX_RESTARTS,
-                max_task_retries=MAX_TASK_RETRIES,
-                # Calls wait in the batcher's queue (admitted as KV room frees), not in Ray's.
-                max_concurrency=2 * resources.max_batch + 1,
-            )
-            self.handles = [
-                actor.remote(engine_config, strategy, resources.num_threads, resources.max_batch) for _ in range(count)
-            ]
+            actor = ray.remote(EngineReplica)
+
+            def start(name: str):
+                return actor.options(
+                    name=name,
+                    num_cpus=num_cpus,
+                    num_gpus=resources.num_gpus,
+                    max_restarts=MAX_RESTARTS,
+                    max_task_retries=MAX_TASK_RETRIES,
+                    # Calls wait in the batcher's queue (admitted as KV room frees), not in Ray's.
+                    max_concurrency=2 * resources.max_batch + 1,
+                ).remote(engine_config, strategy, resources.num_threads, resources.max_batch)
+
+            self.handles = [start(self.names[0])]
+            if REGISTRY[strategy.name].searching and count > 1:
+                # The first replica calibrates alone (a table timed beside another replica's
+                # measurements would be noise) and stores its table; the others load it.
+                ray.wait([self.handles[0].info.remote()], timeout=start_timeout_s)
+            self.handles += [start(name) for name in self.names[1:]]
         else:
             # The coordinator keeps the loop's books and waits on its stages; they hold the CPUs.
             # One batch per stage in flight keeps all stages busy: while one batch's rows are in
             # stage 1, another's are in stage 0.
-            actor = ray.remote(PipelineReplica).options(
+            actor = ray.remote(PipelineReplica)
+            options = dict(
                 num_cpus=0,
                 max_restarts=MAX_RESTARTS,
                 max_task_retries=MAX_TASK_RETRIES,
@@ -291,10 +339,10 @@ class ReplicaPool:
             what = f"({stages} pipeline stage(s) × {ranks} tensor-parallel rank(s))"
             self.groups = [reserve(bundles, "PACK", start_timeout_s, f"replica {i} {what}") for i in range(count)]
             self.handles = [
-                actor.remote(
+                actor.options(name=name, **options).remote(
                     engine_config, strategy, stages, rank_cpus, resources.num_threads, group, ranks, resources.max_batch
                 )
-                for group in self.groups
+                for name, group in zip(self.names, self.groups)
             ]
         ready, pending = ray.wait([h.info.remote() for h in self.handles], num_returns=count, timeout=start_timeout_s)
         if pending:
@@ -312,6 +360,15 @@ class ReplicaPool:
                 info["mode"],
                 info["threads"],
                 info["load_s"],
+            )
+        residuals = [r for r in (info.get("calibration_residual") for info in self.infos) if r is not None]
+        if residuals and max(residuals) > SUSPECT_RESIDUAL:
+            # Once per pool: every replica of a node reads the same stored table.
+            logger.warning(
+                "The stored latency table is inconsistent (a fit is off by %.0f%%; measured on a busy machine?): "
+                "the searching strategies may choose worse drafts. Re-measure on an idle machine with "
+                "`python jobs/calibrate.py --force`",
+                100 * max(residuals),
             )
 
     @property

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.cli import add_repetition_arguments, sampling_params
 from pipeline.decoding.drafters import LayerSkipDrafter
 from pipeline.decoding.loop import (
     DecodeConfig,
@@ -132,6 +133,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="measure the latency model afresh before the run (and store it) instead of using a stored one",
     )
+    add_repetition_arguments(parser.add_argument_group("repetition control (greedy, every strategy alike)"))
     pipe = parser.add_argument_group(
         "pipeline throughput (instead of the strategy comparison): requests through one replica of P stage "
         "actors, one at a time vs several in flight, and the cost of one hop"
@@ -178,14 +180,23 @@ class BatchRun:
         return decoded / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def run_batch(engine: Engine, strategy: str, prompts: list[torch.Tensor], prefilled: list, max_new_tokens: int):
+def run_batch(
+    engine: Engine,
+    strategy: str,
+    prompts: list[torch.Tensor],
+    prefilled: list,
+    max_new_tokens: int,
+    params: SamplingParams = SamplingParams(),
+):
     """One batch of `strategy` from copies of the prefilled prompts: our decoders through
     decode_batch (one forward per step for all), transformers' generate() on a left-padded batch."""
     if strategy.startswith("hf"):
         if len(prompts) == 1:
-            results = [engine.generate(prompts[0], StrategyConfig(strategy), max_new_tokens)]
+            results = [engine.generate(prompts[0], StrategyConfig(strategy), max_new_tokens, params)]
         else:
-            results = engine.generate_batch(prompts, StrategyConfig(strategy), max_new_tokens, max_batch=len(prompts))
+            results = engine.generate_batch(
+                prompts, StrategyConfig(strategy), max_new_tokens, params, max_batch=len(prompts)
+            )
         # generate() times its own prefill and decode; in a batch they are the batch's.
         return BatchRun(results, results[0].stats.decode_s, results[0].stats.prefill_s)
     config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=engine.eos_token_ids)
@@ -195,7 +206,7 @@ def run_batch(engine: Engine, strategy: str, prompts: list[torch.Tensor], prefil
         DecodingRequest(
             Prefilled(pool.adopt(f.cache), f.logits, f.prompt_tokens, f.seconds),
             config,
-            SamplingParams(),
+            params,
             engine.drafter(StrategyConfig(strategy)),
             p.tolist(),
         )
@@ -206,10 +217,12 @@ def run_batch(engine: Engine, strategy: str, prompts: list[torch.Tensor], prefil
     return BatchRun(results, time.perf_counter() - started, sum(f.seconds for f in prefilled))
 
 
-def _alone(engine: Engine, prompt: torch.Tensor, prefilled, max_new_tokens: int) -> list[int]:
+def _alone(
+    engine: Engine, prompt: torch.Tensor, prefilled, max_new_tokens: int, params: SamplingParams = SamplingParams()
+) -> list[int]:
     """The request's `ar` tokens decoded by itself: what it must emit in any batch."""
     config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=engine.eos_token_ids)
-    return decode(engine.model, prefilled.copy(), config, SamplingParams()).token_ids
+    return decode(engine.model, prefilled.copy(), config, params, prompt_ids=prompt.tolist()).token_ids
 
 
 def batch_record(
@@ -317,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in {d for n, d in pairs if n in SEARCHING_STRATEGIES}:
             engines[dtype].calibrate(force=True)
 
+    params = sampling_params(args)
     batch_sizes = sorted({int(x) for x in args.batch_sizes.split(",")})
     records: list[Record] = []
     verify_rows = []
@@ -329,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                 dtype: [engine.prefill(p, args.max_new_tokens) for p in prompts] for dtype, engine in engines.items()
             }
             alone = {
-                dtype: [_alone(engine, p, f, args.max_new_tokens) for p, f in zip(prompts, prefilled[dtype])]
+                dtype: [_alone(engine, p, f, args.max_new_tokens, params) for p, f in zip(prompts, prefilled[dtype])]
                 for dtype, engine in engines.items()
             }
             reference_at_1 = None
@@ -340,8 +354,9 @@ def main(argv: list[str] | None = None) -> int:
                     for name, dtype in run_order(chosen, repeat):
                         strategy = reference[0] if name == CONTROL else name
                         run = run_batch(
-                            engines[dtype], strategy, prompts[:size], prefilled[dtype][:size], args.max_new_tokens
-                        )
+                            engines[dtype], strategy, prompts[:size], prefilled[dtype][:size], args.max_new_tokens,
+                            params,
+                        )  # fmt: skip
                         runs[(name, dtype)].append(run)
                         logger.info(
                             "%s %d tokens, batch %d, %s:%s repeat %d: %.1f tok/s",

@@ -22,7 +22,15 @@ from pathlib import Path
 
 import torch
 
-from pipeline.cli import Parser, check_device, check_model, positive_int, run_reporting_errors
+from pipeline.cli import (
+    Parser,
+    add_sampling_arguments,
+    check_device,
+    check_model,
+    positive_int,
+    run_reporting_errors,
+    sampling_params,
+)
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engine import (
     DEFAULT_MAX_BATCH,
@@ -102,10 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int)
+    add_sampling_arguments(parser)
     parser.add_argument(
         "--skip", type=_skip_items, help="items the `static` drafter skips, e.g. 4,6,8 (item 2i: attention of layer i)"
     )
@@ -270,8 +275,7 @@ def _check_settings(args: argparse.Namespace) -> tuple[StrategyConfig, SamplingP
     if args.skip is not None and args.strategy != "static":
         logger.warning("--skip is used only by --strategy static; ignored for %s", args.strategy)
     strategy = StrategyConfig(name=args.strategy, skip=args.skip, max_draft=args.max_draft)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    return strategy, params
+    return strategy, sampling_params(args)
 
 
 def run(args: argparse.Namespace) -> list[dict]:

@@ -21,22 +21,19 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.cli import Parser, positive_float, positive_int, run_reporting_errors
+from pipeline.cli import (
+    Parser,
+    add_sampling_arguments,
+    positive_float,
+    positive_int,
+    run_reporting_errors,
+    sampling_params,
+)
 from pipeline.logs import configure_logging
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_INPUT = REPO / "data" / "sample.jsonl"
 OUTPUT_NAME = "summaries.parquet"
-DEFAULT_STRATEGY = "knapspec-lookup"
-DEFAULT_MAX_NEW_TOKENS = 64
-DEFAULT_MAX_CHUNK_TOKENS = 4096
-# Documents per summarize actor: each waits on replicas in a thread of its own, so one actor
-# keeps many documents in flight without a process (and a torch import) each.
-DOCUMENTS_PER_ACTOR = 16
-# Every data stage (filter, summarize dispatchers, write) asks for a tenth of a CPU: the
-# replicas hold the CPUs, and a stage asking Ray Data's default of one CPU could wait forever
-# behind them on a small machine.
-DATA_TASK_CPUS = 0.1
 
 logger = logging.getLogger("summarize")
 
@@ -49,8 +46,10 @@ def _id_list(value: str) -> frozenset[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from actors.summarizer import SummarizerConfig as Defaults
     from pipeline.engine import DEFAULT_MAX_BATCH, STRATEGIES
     from pipeline.model.linear import DTYPE_CHOICES
+    from pipeline.summarization.summarizer import DEFAULT_SUMMARY_PARAMS
 
     parser = Parser(prog="summarize.py", description=__doc__.split("\n\n")[0])
     data = parser.add_argument_group("data")
@@ -78,21 +77,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument(
         "--model", help="a local Hugging Face checkpoint folder on every node (default: the embedded model)"
     )
-    model.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=STRATEGIES)
-    model.add_argument("--max-new-tokens", type=positive_int, default=DEFAULT_MAX_NEW_TOKENS, help="per request")
+    model.add_argument("--strategy", default=Defaults.strategy, choices=STRATEGIES)
+    model.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=Defaults.max_new_tokens,
+        help=f"per request whose summary is summarized again: a chunk's (default {Defaults.max_new_tokens})",
+    )
+    model.add_argument(
+        "--max-summary-tokens",
+        type=positive_int,
+        default=Defaults.max_summary_tokens,
+        help="the final summary's budget: a short document's one request, a long one's last reduce step "
+        f"(default {Defaults.max_summary_tokens}; see README, Summary quality)",
+    )
     model.add_argument(
         "--max-chunk-tokens",
         type=positive_int,
-        default=DEFAULT_MAX_CHUNK_TOKENS,
+        default=Defaults.max_chunk_tokens,
         help="prompt budget of one request, template included; longer documents are chunked "
-        f"(default {DEFAULT_MAX_CHUNK_TOKENS}, capped by the model's context)",
+        f"(default {Defaults.max_chunk_tokens}, capped by the model's context)",
     )
     model.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     model.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    model.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    model.add_argument("--top-p", type=float, default=1.0)
-    model.add_argument("--top-k", type=int, default=0)
-    model.add_argument("--seed", type=int, help="sampling seed; each request derives its own from it")
+    add_sampling_arguments(
+        model,
+        seed_help="sampling seed; each request derives its own from it",
+        repetition_penalty=DEFAULT_SUMMARY_PARAMS.repetition_penalty,
+        no_repeat_ngram_size=DEFAULT_SUMMARY_PARAMS.no_repeat_ngram_size,
+        repetition_scope=DEFAULT_SUMMARY_PARAMS.repetition_scope,
+    )
 
     cluster = parser.add_argument_group("Ray")
     cluster.add_argument(
@@ -112,7 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cpus-per-replica",
         type=positive_float,
         help="Ray CPUs reserved per replica (default: 1, less when "
-        "the cluster is smaller; half a CPU stays free for the data stages)",
+        "the cluster is smaller; 1.25 CPUs stay free for the data stages)",
     )
     cluster.add_argument(
         "--threads-per-replica",
@@ -139,7 +153,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _check_args(args: argparse.Namespace):
     """Everything checkable before Ray starts: input, output, settings. Returns (input spec, resume state)."""
-    from pipeline.decoding.sampling import SamplingParams
     from pipeline.engine import StrategyConfig
     from pipeline.errors import ConfigError
     from pipeline.model import checkpoint
@@ -159,11 +172,20 @@ def _check_args(args: argparse.Namespace):
     spec = resolve_input(args.input, args.id_column, args.text_column, args.reference_column)
     resolve_compute_mode(args.dtype, args.device)
     StrategyConfig(name=args.strategy)
-    SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    sampling_params(args)
     if args.model is not None:
         checkpoint.resolve_checkpoint(args.model)
     resume = prepare_output(args.output / OUTPUT_NAME, args.resume, args.overwrite)
     return spec, resume
+
+
+def _expected_rows(id_counts, num_rows: int, args: argparse.Namespace, done_ids) -> int:
+    """The rows this run will write, for the progress bar's time left."""
+    if args.ids is not None:
+        rows = sum(id_counts[i] for i in args.ids if i not in done_ids)
+    else:
+        rows = num_rows - sum(id_counts[i] for i in done_ids if i in id_counts)
+    return rows if args.limit is None else min(rows, args.limit)
 
 
 def _starts_local_cluster(address: str | None) -> bool:
@@ -185,44 +207,23 @@ def _init_ray(address: str | None) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     import ray
-    from ray.data import ActorPoolStrategy
 
-    from actors.replica import DATA_CPUS, ReplicaPool, ReplicaResources
-    from pipeline.decoding.sampling import SamplingParams
-    from pipeline.engine import EngineConfig, StrategyConfig
+    from actors.summarizer import DATA_TASK_CPUS, SummarizerConfig, build_summarizer
     from pipeline.errors import ConfigError
     from pipeline.model import checkpoint
     from pipeline.summarization.datasource import read_documents
-    from pipeline.summarization.rows import count_ids, find_duplicate_ids
-    from pipeline.summarization.stage import SummarizeBatch, SummarySink
-    from pipeline.summarization.summarizer import SummarizeSettings
+    from pipeline.summarization.rows import find_duplicate_ids, id_census
+    from pipeline.summarization.stage import SummarySink
 
     spec, resume = _check_args(args)
     started = time.perf_counter()
     # The embedded model is converted once here, not by every replica at once.
-    model_path = checkpoint.resolve_checkpoint(args.model, args.cache_dir)
+    checkpoint.resolve_checkpoint(args.model, args.cache_dir)
     local = _init_ray(args.address)
-    pool = None
+    summarize = None
     try:
-        threads = args.threads_per_replica
-        if threads is None:
-            reserved = args.cpus_per_replica or 1.0
-            # Per process: a replica, or each stage (and tensor-parallel rank) of a sharded one.
-            shards = args.pipeline_parallel * args.tensor_parallel
-            processes = args.replicas * shards
-            threads = max(1, (os.cpu_count() or 1) // processes) if local else max(1, round(reserved / shards))
-        engine_config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
-        resources = ReplicaResources(
-            num_cpus=args.cpus_per_replica,
-            num_gpus=1.0 if args.device == "cuda" else 0.0,
-            num_threads=threads,
-            pipeline_parallel=args.pipeline_parallel,
-            tensor_parallel=args.tensor_parallel,
-            max_batch=args.max_batch,
-        )
-
         documents = read_documents(spec)
-        id_counts = count_ids(documents)
+        id_counts, num_rows = id_census(documents)
         duplicates = find_duplicate_ids(id_counts)
         if duplicates:
             logger.warning("%d ids occur more than once; their rows become errors", len(duplicates))
@@ -240,43 +241,36 @@ def run(args: argparse.Namespace) -> int:
             documents = documents.filter(
                 lambda row: row["id"] is None or row["id"] not in done, num_cpus=DATA_TASK_CPUS
             )
-
-        pool = ReplicaPool(args.replicas, engine_config, StrategyConfig(name=args.strategy), resources)
-        settings = SummarizeSettings(
-            model=checkpoint.EMBEDDED_MODEL if args.model is None else str(args.model),
-            strategy=args.strategy,
-            max_new_tokens=args.max_new_tokens,
-            max_prompt_tokens=min(args.max_chunk_tokens, pool.max_context - args.max_new_tokens),
-            params=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
-        )
-        # Enough documents to fill every batch: a pipelined replica has one in flight per stage.
-        in_flight = args.documents_in_flight or args.replicas * args.pipeline_parallel * args.max_batch
-        actors = -(-in_flight // DOCUMENTS_PER_ACTOR)
-        summaries = documents.map_batches(
-            SummarizeBatch,
-            fn_constructor_kwargs={
-                "replicas": pool.handles,
-                "settings": settings,
-                "tokenizer_path": str(model_path),
-                "duplicate_ids": duplicates,
-            },
-            batch_size=1,  # a row is written as soon as its document is done
-            batch_format="pyarrow",
-            compute=ActorPoolStrategy(
-                size=actors,
-                max_concurrent_calls_per_actor=-(-in_flight // actors),
-                max_tasks_in_flight_per_actor=-(-in_flight // actors),
-                enable_true_multi_threading=True,
-            ),
-            # These actors only tokenize and wait on replicas; the replicas hold the CPUs. All of
-            # them, a read, a filter and a write task must fit in what the replicas leave free.
-            num_cpus=min(DATA_TASK_CPUS, (DATA_CPUS - 3 * DATA_TASK_CPUS) / actors),
+        summarize = build_summarizer(
+            SummarizerConfig(
+                model=args.model,
+                strategy=args.strategy,
+                max_new_tokens=args.max_new_tokens,
+                max_summary_tokens=args.max_summary_tokens,
+                max_chunk_tokens=args.max_chunk_tokens,
+                dtype=args.dtype,
+                device=args.device,
+                params=sampling_params(args),
+                replicas=args.replicas,
+                pipeline_parallel=args.pipeline_parallel,
+                tensor_parallel=args.tensor_parallel,
+                max_batch=args.max_batch,
+                cpus_per_replica=args.cpus_per_replica,
+                threads_per_replica=args.threads_per_replica,
+                documents_in_flight=args.documents_in_flight,
+                cache_dir=args.cache_dir,
+                # The reader's columns (readers.DOCUMENT_SCHEMA), whatever the input called them.
+                id_column="id",
+                text_column="text",
+                reference_column="reference",
+            )
         )
         sink = SummarySink(args.output / OUTPUT_NAME)
-        summaries.write_datasink(sink, ray_remote_args={"num_cpus": DATA_TASK_CPUS})
+        with summarize.progress(_expected_rows(id_counts, num_rows, args, resume.done_ids)):
+            summarize(documents, duplicates).write_datasink(sink, ray_remote_args={"num_cpus": DATA_TASK_CPUS})
     finally:
-        if pool is not None:
-            pool.shutdown()
+        if summarize is not None:
+            summarize.shutdown()
         if local:
             ray.shutdown()
     wall_s = time.perf_counter() - started

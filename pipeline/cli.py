@@ -46,6 +46,75 @@ def positive_float(value: str) -> float:
     return number
 
 
+def non_negative_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {number}")
+    return number
+
+
+def add_sampling_arguments(
+    group,
+    seed_help: str | None = None,
+    repetition_penalty: float = 1.0,
+    no_repeat_ngram_size: int = 0,
+    repetition_scope: str = "all",
+) -> None:
+    """Sampling and repetition control, as every job takes them (`sampling_params` reads them
+    back); the defaults given are the job's own."""
+    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--seed", type=int, help=seed_help)
+    add_repetition_arguments(group, repetition_penalty, no_repeat_ngram_size, repetition_scope)
+
+
+def add_repetition_arguments(
+    group, repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0, repetition_scope: str = "all"
+) -> None:
+    from pipeline.decoding.repetition import REPETITION_SCOPES
+
+    group.add_argument(
+        "--repetition-penalty",
+        type=positive_float,
+        default=repetition_penalty,
+        help="divide the positive logits (multiply the negative) of tokens already seen, as transformers "
+        f"does; 1.0 is off (default {repetition_penalty})",
+    )
+    group.add_argument(
+        "--no-repeat-ngram-size",
+        type=non_negative_int,
+        default=no_repeat_ngram_size,
+        help=f"never repeat an n-gram of this size, as transformers does; 0 is off (default {no_repeat_ngram_size})",
+    )
+    group.add_argument(
+        "--repetition-scope",
+        choices=REPETITION_SCOPES,
+        default=repetition_scope,
+        help="the tokens repetition control looks at: all (prompt and answer, as transformers) or the answer "
+        f"only (default {repetition_scope})",
+    )
+
+
+def sampling_params(args: argparse.Namespace):
+    """The SamplingParams of the arguments `add_sampling_arguments` (or, greedy, only
+    `add_repetition_arguments`) added."""
+    from pipeline.decoding.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=getattr(args, "temperature", 0.0),
+        top_p=getattr(args, "top_p", 1.0),
+        top_k=getattr(args, "top_k", 0),
+        seed=getattr(args, "seed", None),
+        repetition_penalty=args.repetition_penalty,
+        no_repeat_ngram_size=args.no_repeat_ngram_size,
+        repetition_scope=args.repetition_scope,
+    )
+
+
 def usage_error(error: BaseException) -> int:
     """Print an input or configuration problem as one `error:` line; the exit code to return.
     Its message says what to fix: a traceback would add nothing."""

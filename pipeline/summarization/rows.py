@@ -16,7 +16,12 @@ if TYPE_CHECKING:
 
 
 def count_ids(ds: ray.data.Dataset) -> Counter[str]:
-    """How often each non-empty id occurs.
+    """How often each non-empty id occurs (id_census without the row count)."""
+    return id_census(ds)[0]
+
+
+def id_census(ds: ray.data.Dataset) -> tuple[Counter[str], int]:
+    """How often each non-empty id occurs, and how many rows there are, in one pass.
 
     The ids stream through the driver into one counter: a Ray Data groupby costs several
     seconds of shuffle setup even for a handful of rows, and a counter of ids stays small
@@ -24,9 +29,11 @@ def count_ids(ds: ray.data.Dataset) -> Counter[str]:
     validate_row reports them.
     """
     counts: Counter[str] = Counter()
+    rows = 0
     for batch in ds.select_columns(["id"]).iter_batches(batch_format="pyarrow", batch_size=65536):
         counts.update(row_id for row_id in batch.column("id").to_pylist() if row_id)
-    return counts
+        rows += batch.num_rows
+    return counts, rows
 
 
 def find_duplicate_ids(ds: ray.data.Dataset | Counter[str]) -> dict[str, int]:

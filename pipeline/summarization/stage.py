@@ -12,6 +12,7 @@ import pyarrow as pa
 import ray
 from ray.data import Datasink
 from ray.data.block import BlockAccessor
+from ray.util.metrics import Counter
 
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.errors import ConfigError, KnapSpecError
@@ -26,11 +27,14 @@ logger = logging.getLogger(__name__)
 class ReplicaDispatcher:
     """Sends requests to the replica with the fewest requests in flight from this process."""
 
-    def __init__(self, handles: list) -> None:
-        if not handles:
+    def __init__(self, replicas: list, progress=None) -> None:
+        """`replicas`: actor handles, or the names of named replica actors (ReplicaPool.names).
+        `progress`: the run's progress actor (actors/progress.py), told of requests in flight."""
+        if not replicas:
             raise ConfigError("no replicas to send requests to")
-        self.handles = handles
-        self.in_flight = [0] * len(handles)
+        self.handles = [ray.get_actor(r) if isinstance(r, str) else r for r in replicas]
+        self.in_flight = [0] * len(self.handles)
+        self.progress = progress
         self._lock = threading.Lock()
 
     def generate_many(self, calls: list[tuple[list[int], int, SamplingParams]]) -> list[dict]:
@@ -41,12 +45,18 @@ class ReplicaDispatcher:
                 self.in_flight[index] += 1
                 picks.append(index)
         refs = [self.handles[i].generate.remote(*call) for i, call in zip(picks, calls)]
+        self._report(len(calls))
         try:
             return ray.get(refs)
         finally:
             with self._lock:
                 for index in picks:
                     self.in_flight[index] -= 1
+            self._report(-len(calls))
+
+    def _report(self, delta: int) -> None:
+        if self.progress is not None:
+            self.progress.requests.remote(delta)  # not awaited: progress never slows the work
 
 
 class SummarizeBatch:
@@ -54,7 +64,9 @@ class SummarizeBatch:
 
     One instance summarizes one document at a time, waiting on the replicas its chunks went
     to; the job runs several instances so that many documents are in flight. Any failure of
-    a document becomes its error row; the job goes on.
+    a document becomes its error row; the job goes on. The job passes the replicas' names, not
+    their handles: Ray Data restarts a failed instance from its constructor arguments, and the
+    restarted one looks the replicas up by name.
     """
 
     def __init__(
@@ -63,12 +75,23 @@ class SummarizeBatch:
         settings: SummarizeSettings,
         tokenizer_path: str,
         duplicate_ids: dict[str, int] | set[str] | None = None,
+        columns: tuple[str, str, str | None] = ("id", "text", "reference"),
+        progress: str | None = None,
     ) -> None:
+        """`columns`: the input's id, text and (optional) reference summary columns; a row's
+        `input_error` column, where the job's reader set one, makes it an error row.
+        `progress`: the name of the run's progress actor (actors/progress.py), or None."""
         from pipeline.model import checkpoint
 
         configure_worker_logging()
         self.settings = settings
-        self.dispatcher = ReplicaDispatcher(replicas)
+        self.id_column, self.text_column, self.reference_column = columns
+        self.progress = ray.get_actor(progress) if progress else None
+        # A Ray metric beside the replicas' (actors/metrics.py): documents by status.
+        self.documents = Counter(
+            "knapspec_documents", "documents summarized, by status", tag_keys=("model", "strategy", "status")
+        )
+        self.dispatcher = ReplicaDispatcher(replicas, self.progress)
         tokenizer = checkpoint.load_tokenizer(Path(tokenizer_path))
         self.summarizer = DocumentSummarizer(tokenizer, self.dispatcher.generate_many, settings)
         self.duplicate_ids = duplicate_ids or {}
@@ -77,26 +100,39 @@ class SummarizeBatch:
         return rows_to_table([self.summarize_row(row) for row in batch.to_pylist()])
 
     def summarize_row(self, row: dict) -> dict:
-        problem = validate_row(row["id"], row["text"], row["input_error"], self.duplicate_ids)
+        started = time.perf_counter()
+        out = self._summarize_row(row)
+        tags = {"model": self.settings.model, "strategy": self.settings.strategy, "status": out["status"]}
+        self.documents.inc(1, tags=tags)
+        if self.progress is not None:
+            record = {k: out.get(k) for k in ("id", "status", "num_chunks", "output_tokens", "error")}
+            self.progress.document.remote(record | {"seconds": time.perf_counter() - started})
+        return out
+
+    def _summarize_row(self, row: dict) -> dict:
+        row_id, text = row.get(self.id_column), row.get(self.text_column)
+        problem = validate_row(row_id, text, row.get("input_error"), self.duplicate_ids)
         if problem is not None:
-            return error_row(row["id"], problem, self.settings.model, self.settings.strategy)
+            return error_row(row_id, problem, self.settings.model, self.settings.strategy)
+        reference = row.get(self.reference_column) if self.reference_column else None
         started = time.perf_counter()
         try:
-            out = self.summarizer.summarize(row["id"], row["text"], row.get("reference"))
+            out = self.summarizer.summarize(row_id, text, reference)
         except KnapSpecError as e:
             message = str(e)
         except Exception as e:  # a replica that could not recover, or a bug: the row says so, the job goes on
-            logger.exception("Document %r failed", row["id"])
+            logger.exception("Document %r failed", row_id)
             message = f"{type(e).__name__}: {e}"
         else:
-            logger.info(
+            # The driver shows a line per document (actors/progress.py); this one is for the worker's log.
+            logger.debug(
                 "Summarized %s: %d chunks, %d prompt + %d output tokens in %.1f s",
-                row["id"], out["num_chunks"], out["prompt_tokens"], out["output_tokens"],
+                row_id, out["num_chunks"], out["prompt_tokens"], out["output_tokens"],
                 time.perf_counter() - started,
             )
             return out
-        logger.warning("Document %r: %s", row["id"], message)
-        return error_row(row["id"], message, self.settings.model, self.settings.strategy)
+        logger.warning("Document %r: %s", row_id, message)
+        return error_row(row_id, message, self.settings.model, self.settings.strategy)
 
 
 class SummarySink(Datasink[RunTotals]):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from pipeline.decoding.sampling import SamplingParams
@@ -25,6 +25,8 @@ from pipeline.summarization.prompts import INSTRUCTIONS, build_prompt
 
 logger = logging.getLogger(__name__)
 
+# The request kinds (chunking.SummaryRequest.kind) whose answer is the document's summary.
+FINAL_KINDS = frozenset({"document", "summaries"})
 # Tokens kept free in every prompt: re-tokenizing a chunk inside the template can add a few.
 _PROMPT_MARGIN = 16
 _ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
@@ -34,17 +36,35 @@ _ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 GenerateMany = Callable[[list[tuple[list[int], int, SamplingParams]]], list[dict]]
 
 
+# Greedy decoding of a small model loops ("She is very strange. She is very strange. ..."),
+# mostly in the reduce step. Chosen by measurement on the bundled documents (README,
+# "Summary quality"); over the answer only, so that a summary may still quote its document.
+DEFAULT_SUMMARY_PARAMS = SamplingParams(no_repeat_ngram_size=4, repetition_scope="answer")
+
+
 @dataclass(frozen=True)
 class SummarizeSettings:
     model: str  # the name written to the `model` column
     strategy: str
-    max_new_tokens: int = 64
+    max_new_tokens: int = 64  # per request whose summary is summarized again (a chunk's)
+    # The final summary's budget (the one request of a short document, the last reduce step of a
+    # long one): what is read, and not summarized again. None: max_new_tokens.
+    max_summary_tokens: int | None = None
     max_prompt_tokens: int = 4096  # per request, instruction and chat template included
-    params: SamplingParams = field(default_factory=SamplingParams)
+    params: SamplingParams = DEFAULT_SUMMARY_PARAMS
     max_levels: int = 8
+    # The instruction of each request kind (chunking.SummaryRequest.kind), "{document}" in each.
+    instructions: Mapping[str, str] = field(default_factory=lambda: dict(INSTRUCTIONS))
 
     def __post_init__(self) -> None:
         check_chunk_budget(self.max_prompt_tokens, self.max_new_tokens)
+        if self.max_summary_tokens is not None and self.max_summary_tokens < 1:
+            raise ConfigError(f"max_summary_tokens must be at least 1, got {self.max_summary_tokens}")
+        if set(self.instructions) != set(INSTRUCTIONS):
+            raise ConfigError(f"instructions must be given for exactly {', '.join(INSTRUCTIONS)}")
+        for kind, instruction in self.instructions.items():
+            if "{document}" not in instruction:
+                raise ConfigError(f"the {kind!r} instruction must contain '{{document}}'")
 
 
 class DocumentSummarizer:
@@ -57,7 +77,7 @@ class DocumentSummarizer:
         # Documents are summarized on several threads at once; a fast tokenizer must not be
         # used by two of them at a time ("Already borrowed").
         self._tokenizing = threading.RLock()
-        overhead = max(self._template_tokens(kind) for kind in INSTRUCTIONS)
+        overhead = max(self._template_tokens(kind) for kind in settings.instructions)
         # The document text a request may carry: the prompt budget minus the instruction,
         # the chat template and a margin.
         self.max_text_tokens = settings.max_prompt_tokens - overhead - _PROMPT_MARGIN
@@ -77,7 +97,7 @@ class DocumentSummarizer:
         answered: list[dict] = []
 
         def summarize_requests(requests: list[SummaryRequest]) -> list[str]:
-            calls = [(self._prompt_ids(r), self.settings.max_new_tokens, self._params(doc_id, r)) for r in requests]
+            calls = [(self._prompt_ids(r), self._max_new_tokens(r), self._params(doc_id, r)) for r in requests]
             results = self.generate_many(calls)
             answered.extend(results)
             with self._tokenizing:
@@ -107,7 +127,10 @@ class DocumentSummarizer:
     def _prompt_ids(self, request: SummaryRequest) -> list[int]:
         with self._tokenizing:
             prompt = build_prompt(
-                self.tokenizer, request.text, self.settings.max_prompt_tokens, instruction=INSTRUCTIONS[request.kind]
+                self.tokenizer,
+                request.text,
+                self.settings.max_prompt_tokens,
+                instruction=self.settings.instructions[request.kind],
             )
         if prompt.truncated:
             # Chunks are sized to fit; a cut here means the token arithmetic is off.
@@ -115,6 +138,12 @@ class DocumentSummarizer:
                 "A %s request of %d tokens was cut to fit the prompt budget", request.kind, prompt.document_tokens
             )
         return prompt.token_ids.tolist()
+
+    def _max_new_tokens(self, request: SummaryRequest) -> int:
+        final = request.kind in FINAL_KINDS
+        if final and self.settings.max_summary_tokens is not None:
+            return self.settings.max_summary_tokens
+        return self.settings.max_new_tokens
 
     def _params(self, doc_id: str, request: SummaryRequest) -> SamplingParams:
         """Seeded sampling gives each request its own seed, derived from the document and its place,
@@ -125,7 +154,7 @@ class DocumentSummarizer:
         return replace(self.settings.params, seed=int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1)
 
     def _template_tokens(self, kind: str) -> int:
-        return len(build_prompt(self.tokenizer, ".", None, instruction=INSTRUCTIONS[kind]).token_ids)
+        return len(build_prompt(self.tokenizer, ".", None, instruction=self.settings.instructions[kind]).token_ids)
 
 
 def decoding_columns(results: Sequence[dict]) -> dict:

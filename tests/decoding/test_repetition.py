@@ -295,3 +295,44 @@ def test_speculative_sampling_under_a_repetition_penalty_is_exact(tiny_llama, dr
     tally.assert_follows(exact)
     unpenalized = _processed_joint_law(model, prompt, SamplingParams(temperature=1.0, top_k=4))
     assert chi_square_p_value(tally.counts, unpenalized, sum(tally.counts.values())) < 1e-6
+
+
+# ------------------------------------------------------------------ the real model
+
+
+@pytest.mark.slow
+def test_real_model_under_repetition_control_equals_generate_and_ar():
+    """SmolLM2 on a sample document: in fp32 `ar`, `static`, `lookup` and the hybrid equal
+    transformers' generate() under both processors; in the CPU default mode (fp16 weights),
+    with the answer-only scope, every strategy equals `ar`, alone and four in a batch."""
+    from pipeline.engine import Engine, EngineConfig, StrategyConfig
+    from pipeline.knapspec.latency import LatencyModel
+    from pipeline.summarization.prompts import build_prompt
+    from tests.builders import sample_documents
+
+    text = next(d["text"] for d in sample_documents() if d["id"] == "crs-r48179")
+    free_verify = LatencyModel(
+        attn_slope=2e-7, attn_base=4e-4, t_mlp=5e-4, t_fixed=1e-3, verify_ratios=(1.0,) * 11, num_layers=30
+    )
+    everywhere = SamplingParams(no_repeat_ngram_size=3, repetition_penalty=1.2)
+    engine = Engine(EngineConfig(dtype="fp32", latency=free_verify))
+    prompt = build_prompt(engine.tokenizer, text, max_prompt_tokens=900).token_ids
+    reference = engine.generate(prompt, StrategyConfig("hf"), 40, everywhere).token_ids
+    assert reference != engine.generate(prompt, StrategyConfig("hf"), 40).token_ids
+    for name in ("ar", "static", "lookup", "knapspec-lookup"):
+        assert engine.generate(prompt, StrategyConfig(name), 40, everywhere).token_ids == reference, name
+
+    answer = SamplingParams(no_repeat_ngram_size=4, repetition_penalty=1.1, repetition_scope="answer")
+    engine = Engine(EngineConfig(dtype="fp16w", latency=free_verify))
+    prompts = [build_prompt(engine.tokenizer, text[i * 3000 :], max_prompt_tokens=600).token_ids for i in range(4)]
+    ar = [engine.generate(p, StrategyConfig("ar"), 40, answer).token_ids for p in prompts]
+    drafted = 0
+    for name in ("static", "lookup", "knapspec-lookup"):
+        result = engine.generate(prompts[0], StrategyConfig(name), 40, answer)
+        assert result.token_ids == ar[0], name
+        drafted += result.stats.drafted_tokens
+        for prompt, got, expected in zip(
+            prompts, engine.generate_batch(prompts, StrategyConfig(name), 40, answer, max_batch=4), ar
+        ):
+            assert_same_or_near_tie(engine.model, prompt, got.token_ids, expected, answer)
+    assert drafted > 0

@@ -149,6 +149,25 @@ def test_parse_args_reads_skip_items():
     assert args.strategy == "static" and args.max_new_tokens == 128 and args.max_context is None
 
 
+def test_repetition_flags_reach_the_sampling_params():
+    args = generate.parse_args(["--input", "x.txt", "--no-repeat-ngram-size", "3", "--repetition-penalty", "1.2",
+                                "--repetition-scope", "answer"])  # fmt: skip
+    _, params = generate._check_settings(args)
+    assert (params.no_repeat_ngram_size, params.repetition_penalty, params.repetition_scope) == (3, 1.2, "answer")
+    _, plain = generate._check_settings(generate.parse_args(["--input", "x.txt"]))
+    assert not plain.controls_repetition  # off unless asked for, as in transformers
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [(["--repetition-penalty", "0"], "--repetition-penalty"), (["--no-repeat-ngram-size", "-1"], ">= 0"),
+     (["--repetition-scope", "prompt"], "--repetition-scope")],
+)  # fmt: skip
+def test_bad_repetition_flags_are_one_error_line(flags, fragment):
+    proc = run_cli("--input", str(SAMPLE), "--id", SAMPLE_ID, *flags)
+    assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 # ------------------------------------------------------------- error paths
 
 
@@ -210,12 +229,13 @@ def test_skip_item_out_of_range():
 
 
 @pytest.mark.slow
-def test_greedy_output_is_the_same_for_every_strategy():
+@pytest.mark.parametrize("repetition", [[], ["--no-repeat-ngram-size", "3", "--repetition-penalty", "1.2"]])
+def test_greedy_output_is_the_same_for_every_strategy(repetition):
     records = {}
     for strategy in ("ar", "static", "hf"):
         proc = run_cli(
             "--input", str(SAMPLE), "--id", SAMPLE_ID, "--strategy", strategy,
-            "--max-context", "600", "--max-new-tokens", "12", "--json", "--quiet",
+            "--max-context", "600", "--max-new-tokens", "12", "--json", "--quiet", *repetition,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr
         records[strategy] = json.loads(proc.stdout)  # stdout holds the JSON object and nothing else

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.summarization.output import OUTPUT_SCHEMA, read_output
+from pipeline.summarization.quality import repetitions
 from tests.builders import REPO, sample_documents
 
 pytestmark = pytest.mark.ray
@@ -88,6 +89,12 @@ def test_one_output_row_per_input_row(bad_rows_parquet, tiny_chat_checkpoint, tm
     assert all("2 times" in r["error"] or "more than once" in r["error"] for r in by_id["twice"])
     # The closing table: 8 rows, 3 ok, 5 errors.
     assert "| 8 | 3 | 5 |" in result.stdout, result.stdout
+    # Progress: one line per finished document, counted against the 8 rows.
+    lines = [line for line in result.stdout.splitlines() if line.startswith("[") and "/8] " in line]
+    assert sorted(int(line[1 : line.index("/")]) for line in lines) == list(range(1, 9)), result.stdout
+    assert any(" short ok, 1 chunk(s)" in line for line in lines)
+    assert any(" empty error: text is empty" in line for line in lines)
+    assert all("requests in flight" in line and "tokens/s generated" in line for line in lines)
 
 
 def test_resume_after_a_killed_run_writes_each_id_once(tiny_chat_checkpoint, tmp_path):
@@ -191,4 +198,5 @@ def test_default_run_on_a_bundled_document(tmp_path):
     (row,) = read_output(tmp_path / OUTPUT_NAME).to_pylist()
     assert row["status"] == "ok" and row["strategy"] == "knapspec-lookup", row
     assert row["num_chunks"] >= 3 and row["rouge1"] > 0 and len(row["summary"].split()) > 5
+    assert not repetitions(row["summary"]), row["summary"]  # the default repetition control holds
     assert "| 1 | 1 | 0 |" in result.stdout

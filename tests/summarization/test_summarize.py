@@ -8,6 +8,7 @@ import pytest
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.errors import ConfigError, RowError
 from pipeline.summarization.output import OUTPUT_COLUMNS, rows_to_table
+from pipeline.summarization.prompts import INSTRUCTIONS
 from pipeline.summarization.stage import SummarizeBatch
 from pipeline.summarization.summarizer import DocumentSummarizer, SummarizeSettings, rouge
 from tests.builders import sample_documents
@@ -43,6 +44,24 @@ class FakeReplica:
 
 def document(doc_id: str) -> dict:
     return next(d for d in sample_documents() if d["id"] == doc_id)
+
+
+def test_the_final_summary_has_its_own_budget_and_instructions_their_checks(tokenizer):
+    doc = document("gao-26-107759")
+    replica = FakeReplica(tokenizer)
+    settings = SummarizeSettings(
+        model="m", strategy="ar", max_new_tokens=48, max_summary_tokens=160, max_prompt_tokens=2048
+    )
+    DocumentSummarizer(tokenizer, replica.generate_many, settings).summarize(doc["id"], doc["text"])
+    assert {max_new for _, max_new, _ in replica.batches[0]} == {48}  # chunks: summarized again
+    assert [max_new for _, max_new, _ in replica.batches[-1]] == [160]  # the summary that is read
+    short = FakeReplica(tokenizer)
+    DocumentSummarizer(tokenizer, short.generate_many, settings).summarize("x", "A short note.")
+    assert [max_new for _, max_new, _ in short.batches[0]] == [160]
+    with pytest.raises(ConfigError, match="'summaries' instruction must contain"):
+        SummarizeSettings(model="m", strategy="ar", instructions=dict(INSTRUCTIONS) | {"summaries": "no placeholder"})
+    with pytest.raises(ConfigError, match="exactly"):
+        SummarizeSettings(model="m", strategy="ar", instructions={"document": "{document}"})
 
 
 def test_a_short_document_is_one_request(tokenizer):

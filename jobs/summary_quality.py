@@ -1,0 +1,242 @@
+#!/usr/bin/env python
+"""Summary quality of decoding settings side by side: ROUGE against the references and loops.
+
+Every document is summarized as the summarize job does it (the same chunking, prompts and
+map-reduce, `pipeline.summarization.summarizer`), once per setting, in one process: each
+map prompt is prefilled once and every setting decodes from its own copy, so a sweep costs
+about one job's prefill plus one decode per setting. Decoding is greedy `ar` in the CPU
+default mode: every strategy emits the same tokens, so the settings are what differ.
+
+    python jobs/summary_quality.py --settings "off;ngram=4;ngram=4,penalty=1.1;ngram=4,reduce=combine"
+
+A setting is comma-separated `ngram=N` (no_repeat_ngram_size), `penalty=P`
+(repetition_penalty), `scope=all|answer` (default answer), `reduce=NAME` (the reduce
+step's instruction, one of REDUCE_INSTRUCTIONS) and `final=N` (the final summary's token
+budget); `off` is none of them. Writes
+OUT/summary_quality.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+logger = logging.getLogger("summary_quality")
+
+# Reduce-step instructions measured against each other ("summaries" and "part-summaries"
+# requests: summaries of consecutive parts, combined).
+REDUCE_INSTRUCTIONS = {
+    "job": None,  # what the summarize job uses now (prompts.INSTRUCTIONS)
+    "combine": {
+        "summaries": (
+            "Below are notes on consecutive parts of one document. Write one short summary of the whole "
+            "document from them: its subject and main points, each said once.\n\n{document}"
+        ),
+        "part-summaries": (
+            "Below are notes on consecutive parts of a long document. Merge them into shorter notes, "
+            "keeping each main point once.\n\n{document}"
+        ),
+    },
+    "topic": {
+        "summaries": (
+            "Here are summaries of the parts of a document, in order. In three or four sentences, say what "
+            "the whole document is about and what it concludes. Do not repeat yourself.\n\n{document}"
+        ),
+        "part-summaries": (
+            "Here are summaries of parts of a long document, in order. Shorten them into one summary of "
+            "these parts. Do not repeat yourself.\n\n{document}"
+        ),
+    },
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    name: str
+    no_repeat_ngram_size: int = 0
+    repetition_penalty: float = 1.0
+    repetition_scope: str = "answer"
+    reduce: str = "job"
+    final: int | None = None  # the final summary's token budget (None: --max-new-tokens)
+
+
+def parse_setting(text: str) -> Setting:
+    text = text.strip()
+    if text == "off":
+        return Setting("off")
+    fields = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ValueError(f"setting {text!r}: expected KEY=VALUE parts, got {part!r}")
+        fields[key.strip()] = value.strip()
+    known = {"ngram": ("no_repeat_ngram_size", int), "penalty": ("repetition_penalty", float)}
+    known |= {"scope": ("repetition_scope", str), "reduce": ("reduce", str), "final": ("final", int)}
+    unknown = set(fields) - set(known)
+    if unknown:
+        raise ValueError(f"setting {text!r}: unknown {', '.join(sorted(unknown))} (use {', '.join(known)})")
+    setting = Setting(text, **{known[k][0]: known[k][1](v) for k, v in fields.items()})
+    if setting.reduce not in REDUCE_INSTRUCTIONS:
+        raise ValueError(f"setting {text!r}: reduce must be one of {', '.join(REDUCE_INSTRUCTIONS)}")
+    return setting
+
+
+class PrefilledCalls:
+    """A summarizer's `generate_many` on one in-process engine: greedy `ar`, requests decoded
+    together in batches, each distinct prompt prefilled once and reused by every setting."""
+
+    def __init__(self, engine, max_batch: int) -> None:
+        self.engine = engine
+        self.max_batch = max_batch
+        self.prefilled: dict[tuple[tuple[int, ...], int], object] = {}
+        # Greedy decoding is a function of the prompt and the settings: settings that differ only
+        # in the reduce step share their map step's results.
+        self.results: dict[tuple, dict] = {}
+
+    def __call__(self, calls: list) -> list[dict]:
+        import torch
+
+        from pipeline.decoding.loop import DecodeConfig, DecodingRequest, decode_batch
+
+        todo = []
+        for ids, max_new_tokens, params in calls:
+            key = (tuple(ids), max_new_tokens)
+            if (key, params) in self.results:
+                continue
+            if key not in self.prefilled:
+                self.prefilled[key] = self.engine.prefill(torch.tensor(ids), max_new_tokens)
+            config = DecodeConfig(max_new_tokens, self.engine.eos_token_ids)
+            todo.append(((key, params), DecodingRequest(self.prefilled[key].copy(), config, params, None, list(ids))))
+        for at in range(0, len(todo), self.max_batch):
+            batch = todo[at : at + self.max_batch]
+            for (memo, _), r in zip(batch, decode_batch(self.engine.model, [request for _, request in batch])):
+                self.results[memo] = {"token_ids": r.token_ids, "stats": r.stats.to_dict(), "extra": r.extra}
+        return [self.results[((tuple(ids), m), params)] for ids, m, params in calls]
+
+    def forget(self) -> None:
+        self.prefilled.clear()
+        self.results.clear()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from pipeline.cli import Parser, positive_int
+
+    parser = Parser(prog="summary_quality.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input", type=Path, default=REPO / "data" / "sample.jsonl", help="a .jsonl file")
+    parser.add_argument("--ids", help="comma-separated document ids (default: every document)")
+    parser.add_argument("--settings", default="off;ngram=4", help="settings separated by ';' (see above)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64)
+    parser.add_argument("--max-chunk-tokens", type=positive_int, default=4096)
+    parser.add_argument("--max-batch", type=positive_int, default=8)
+    parser.add_argument("--output", type=Path, default=Path("out"))
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeline.decoding.sampling import SamplingParams
+    from pipeline.engine import Engine, EngineConfig
+    from pipeline.summarization.prompts import INSTRUCTIONS
+    from pipeline.summarization.quality import repetitions
+    from pipeline.summarization.summarizer import DocumentSummarizer, SummarizeSettings
+
+    settings = [parse_setting(s) for s in args.settings.split(";") if s.strip()]
+    documents = [json.loads(line) for line in args.input.read_text().splitlines() if line.strip()]
+    if args.ids:
+        wanted = args.ids.split(",")
+        documents = [d for d in documents if d["id"] in wanted]
+    engine = Engine(EngineConfig(dtype=args.dtype))
+    calls = PrefilledCalls(engine, args.max_batch)
+    summarizers = {}
+    for s in settings:
+        params = SamplingParams(
+            repetition_penalty=s.repetition_penalty,
+            no_repeat_ngram_size=s.no_repeat_ngram_size,
+            repetition_scope=s.repetition_scope,
+        )
+        instructions = dict(INSTRUCTIONS) | (REDUCE_INSTRUCTIONS[s.reduce] or {})
+        room = engine.model.max_context - max(args.max_new_tokens, s.final or 0)
+        config = SummarizeSettings(
+            model=engine.name,
+            strategy="ar",
+            max_new_tokens=args.max_new_tokens,
+            max_summary_tokens=s.final,
+            max_prompt_tokens=min(args.max_chunk_tokens, room),
+            params=params,
+            instructions=instructions,
+        )
+        summarizers[s.name] = DocumentSummarizer(engine.tokenizer, calls, config)
+    rows = []
+    for doc in documents:
+        for s in settings:
+            row = summarizers[s.name].summarize(doc["id"], doc["text"], doc.get("reference_summary"))
+            found = repetitions(row["summary"])
+            rows.append(
+                {"setting": s.name, "id": doc["id"], "loops": bool(found), "repeated": [r.text for r in found[:3]]}
+                | {k: row[k] for k in ("rouge1", "rouge2", "rougeL", "output_tokens", "decode_s", "summary")}
+            )
+            logger.info(
+                "%s [%s]: rouge1 %s, %s", doc["id"], s.name, _fmt(row["rouge1"]), "LOOPS" if found else "no loop"
+            )
+        calls.forget()
+    table = summary_table(rows, [s.name for s in settings])
+    args.output.mkdir(parents=True, exist_ok=True)
+    out = {"rows": rows, "table": table, "settings": vars(args) | {"input": str(args.input), "output": str(args.output)}}
+    (args.output / "summary_quality.json").write_text(json.dumps(out, indent=2, default=str))
+    print(format_table(table, len(documents)))
+    return 0
+
+
+def summary_table(rows: list[dict], names: list[str]) -> list[dict]:
+    table = []
+    for name in names:
+        mine = [r for r in rows if r["setting"] == name]
+        scored = [r for r in mine if r["rouge1"] is not None]
+        decode_s = sum(r["decode_s"] for r in mine)
+        table.append(
+            {
+                "setting": name,
+                "documents": len(mine),
+                "looping": sum(r["loops"] for r in mine),
+                "looping_ids": [r["id"] for r in mine if r["loops"]],
+            }
+            | {k: statistics.mean(r[k] for r in scored) if scored else None for k in ("rouge1", "rouge2", "rougeL")}
+            | {"tokens_per_s": sum(r["output_tokens"] for r in mine) / decode_s if decode_s else None}
+        )
+    return table
+
+
+def format_table(table: list[dict], num_documents: int) -> str:
+    lines = [
+        "| setting | ROUGE-1 | ROUGE-2 | ROUGE-L | summaries that loop | looping ids |",
+        "|---|---|---|---|---|---|",
+    ]
+    for t in table:
+        lines.append(
+            f"| {t['setting']} | {_fmt(t['rouge1'])} | {_fmt(t['rouge2'])} | {_fmt(t['rougeL'])} "
+            f"| {t['looping']} / {num_documents} | {', '.join(t['looping_ids']) or '—'} |"
+        )
+    return "\n".join(lines)
+
+
+def _fmt(value) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.cli import run_reporting_errors
+    from pipeline.logs import configure_logging
+
+    args = parse_args(argv)
+    configure_logging()
+    return run_reporting_errors(lambda: run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
