@@ -5,6 +5,7 @@ document — while Ray Data's own progress goes on beside it."""
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 
 import ray
@@ -74,6 +75,8 @@ class ProgressReporter:
             return
         for record in snapshot["finished"]:
             self._seen += 1
-            self._bar.write(document_line(record, snapshot, self._seen, self.total))
+            self._bar.write(document_line(record, snapshot, self._seen, self.total), file=sys.stdout)
             self._bar.update(1)
+        # Piped (`ray job submit`, a log file), stdout is block-buffered: a line must show when it happens.
+        sys.stdout.flush()
         self._bar.set_postfix_str(status_line(snapshot, self.total), refresh=True)

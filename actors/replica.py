@@ -98,7 +98,6 @@ class EngineReplica:
 
     def _calibration_residual(self) -> float | None:
         """The worst fit residual of the stored table this replica's search uses (None: none used)."""
-        from pipeline.engine import REGISTRY
         from profiling.calibration import CalibrationStore
         from profiling.record import DEFAULT_LAYOUT, CalibrationKey
 

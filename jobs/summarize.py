@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=positive_int,
         default=Defaults.max_summary_tokens,
         help="the final summary's budget: a short document's one request, a long one's last reduce step "
-        f"(default {Defaults.max_summary_tokens}; see README, Summary quality)",
+        "(default: --max-new-tokens)",
     )
     model.add_argument(
         "--max-chunk-tokens",

@@ -7,7 +7,7 @@ map prompt is prefilled once and every setting decodes from its own copy, so a s
 about one job's prefill plus one decode per setting. Decoding is greedy `ar` in the CPU
 default mode: every strategy emits the same tokens, so the settings are what differ.
 
-    python jobs/summary_quality.py --settings "off;ngram=4;ngram=4,penalty=1.1;ngram=4,reduce=combine"
+    python jobs/summary_quality.py --settings "off,reduce=previous;ngram=3;ngram=3,reduce=topic;penalty=1.1"
 
 A setting is comma-separated `ngram=N` (no_repeat_ngram_size), `penalty=P`
 (repetition_penalty), `scope=all|answer` (default answer), `reduce=NAME` (the reduce
@@ -33,14 +33,14 @@ logger = logging.getLogger("summary_quality")
 # requests: summaries of consecutive parts, combined).
 REDUCE_INSTRUCTIONS = {
     "job": None,  # what the summarize job uses now (prompts.INSTRUCTIONS)
-    "combine": {
+    "previous": {  # the job's until the sweep in README's "Summary quality" chose "job"
         "summaries": (
-            "Below are notes on consecutive parts of one document. Write one short summary of the whole "
-            "document from them: its subject and main points, each said once.\n\n{document}"
+            "The following are summaries of consecutive parts of one document. "
+            "Combine them into a single summary of the whole document in a few sentences.\n\n{document}"
         ),
         "part-summaries": (
-            "Below are notes on consecutive parts of a long document. Merge them into shorter notes, "
-            "keeping each main point once.\n\n{document}"
+            "The following are summaries of consecutive parts of a long document. "
+            "Condense them into one shorter summary.\n\n{document}"
         ),
     },
     "topic": {
@@ -72,6 +72,8 @@ def parse_setting(text: str) -> Setting:
         return Setting("off")
     fields = {}
     for part in text.split(","):
+        if part.strip() == "off":
+            continue  # no repetition control, whatever else the setting says
         key, sep, value = part.partition("=")
         if not sep:
             raise ValueError(f"setting {text!r}: expected KEY=VALUE parts, got {part!r}")

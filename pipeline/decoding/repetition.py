@@ -46,10 +46,6 @@ class RepetitionState:
         self._followers: dict[tuple[int, ...], set[int]] = {}
         self.extend(tokens)
 
-    @property
-    def active(self) -> bool:
-        return self.penalty != 1.0 or self.ngram_size > 0
-
     def extend(self, tokens: Sequence[int]) -> None:
         """Tokens appended to the history (emitted, or the prompt at the start)."""
         n = self.ngram_size

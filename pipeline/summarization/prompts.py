@@ -14,13 +14,16 @@ DEFAULT_INSTRUCTION = "Summarize the following document in a few sentences.\n\n{
 INSTRUCTIONS = {
     "document": DEFAULT_INSTRUCTION,
     "part": "Summarize the following part of a longer document in a few sentences.\n\n{document}",
+    # The reduce steps ask for notes to be merged: asked to "summarize the following summaries",
+    # SmolLM2 often repeats the instruction or calls the text "a continuation of the previous
+    # document". Chosen by measurement (jobs/summary_quality.py; README, "Summary quality").
     "part-summaries": (
-        "The following are summaries of consecutive parts of a long document. "
-        "Condense them into one shorter summary.\n\n{document}"
+        "Below are notes on consecutive parts of a long document. Merge them into shorter notes, "
+        "keeping each main point once.\n\n{document}"
     ),
     "summaries": (
-        "The following are summaries of consecutive parts of one document. "
-        "Combine them into a single summary of the whole document in a few sentences.\n\n{document}"
+        "Below are notes on consecutive parts of one document. Write one short summary of the whole "
+        "document from them: its subject and main points, each said once.\n\n{document}"
     ),
 }
 

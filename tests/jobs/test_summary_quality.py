@@ -1,0 +1,45 @@
+"""jobs/summary_quality.py: settings as a user writes them, and the table of a sweep."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from tests.builders import REPO
+
+
+def _import_script():
+    # jobs/ is a folder of scripts, not a package.
+    spec = importlib.util.spec_from_file_location("summary_quality", REPO / "jobs" / "summary_quality.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+quality = _import_script()
+
+
+def test_settings_parse_as_written():
+    assert quality.parse_setting("off") == quality.Setting("off")
+    off = quality.parse_setting("off,reduce=previous")
+    assert (off.no_repeat_ngram_size, off.repetition_penalty, off.reduce) == (0, 1.0, "previous")
+    s = quality.parse_setting("ngram=3,penalty=1.1,scope=all,final=192")
+    assert (s.no_repeat_ngram_size, s.repetition_penalty, s.repetition_scope, s.final) == (3, 1.1, "all", 192)
+    for bad, message in (("ngram", "KEY=VALUE"), ("size=3", "unknown size"), ("reduce=nope", "reduce must be")):
+        with pytest.raises(ValueError, match=message):
+            quality.parse_setting(bad)
+
+
+def test_the_table_counts_loops_and_averages_rouge_where_there_is_a_reference():
+    rows = [
+        {"setting": "a", "id": "x", "loops": True, "rouge1": 0.2, "rouge2": 0.1, "rougeL": 0.1,
+         "output_tokens": 10, "decode_s": 1.0},
+        {"setting": "a", "id": "y", "loops": False, "rouge1": None, "rouge2": None, "rougeL": None,
+         "output_tokens": 30, "decode_s": 1.0},
+    ]  # fmt: skip
+    (row,) = quality.summary_table(rows, ["a"])
+    assert (row["looping"], row["looping_ids"], row["rouge1"], row["tokens_per_s"]) == (1, ["x"], 0.2, 20.0)
+    assert "| a | 0.200 | 0.100 | 0.100 | 1 / 2 | x |" in quality.format_table([row], 2)
