@@ -143,12 +143,18 @@ class SampleTally:
 
 
 def exact_joint_law(model, prompt: torch.Tensor, params) -> dict[tuple[int, int, int], float]:
-    """P(t1, t2, t3) of plain sampling after `prompt`, over every sequence of nonzero probability."""
+    """P(t1, t2, t3) of plain sampling after `prompt`, over every sequence of nonzero probability
+    (from the distributions `params`' repetition control processes, where it has one)."""
     from pipeline.decoding.sampling import probabilities
 
     def dist(prefix: list[int]) -> torch.Tensor:
         cache = model.new_cache(prompt.numel() + 3)
-        return probabilities(model.prefill(cache, torch.tensor(prompt.tolist() + prefix)), params)
+        logits = model.prefill(cache, torch.tensor(prompt.tolist() + prefix))
+        repetition = params.repetition(prompt.tolist())
+        if repetition is not None:
+            repetition.extend(prefix)
+            logits = repetition.process_row(logits)
+        return probabilities(logits, params)
 
     exact = {}
     p1 = dist([])

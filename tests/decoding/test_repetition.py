@@ -16,7 +16,7 @@ from pipeline.decoding.hf_reference import run_hf_generate
 from pipeline.decoding.loop import DecodeConfig, DecodingRequest, decode, decode_batch, prefill
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.repetition import RepetitionState
-from pipeline.decoding.sampling import SamplingParams, probabilities
+from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest
 from pipeline.errors import ConfigError
 from pipeline.knapspec.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter
@@ -27,6 +27,7 @@ from tests.builders import (
     SampleTally,
     assert_same_or_near_tie,
     chi_square_p_value,
+    exact_joint_law,
     load_tiny,
     repeating_prompt,
     synthetic_latency,
@@ -251,29 +252,6 @@ def test_requests_in_a_batch_keep_their_own_repetition_control(tiny_checkpoint):
 # ------------------------------------------------------------------ sampling
 
 
-def _processed_joint_law(model, prompt: torch.Tensor, params: SamplingParams) -> dict:
-    """P(t1, t2, t3) of plain sampling from the processed distributions."""
-
-    def dist(prefix: list[int]) -> torch.Tensor:
-        cache = model.new_cache(prompt.numel() + 3)
-        logits = model.prefill(cache, torch.tensor(prompt.tolist() + prefix))
-        state = params.repetition(prompt.tolist())
-        if state is not None:
-            state.extend(prefix)
-            logits = state.process_row(logits)
-        return probabilities(logits, params)
-
-    exact = {}
-    p1 = dist([])
-    for t1 in p1.nonzero().flatten().tolist():
-        p2 = dist([t1])
-        for t2 in p2.nonzero().flatten().tolist():
-            p3 = dist([t1, t2])
-            for t3 in p3.nonzero().flatten().tolist():
-                exact[(t1, t2, t3)] = (p1[t1] * p2[t2] * p3[t3]).item()
-    return exact
-
-
 @pytest.mark.parametrize("drafter", ["layers", "lookup"])
 def test_speculative_sampling_under_a_repetition_penalty_is_exact(tiny_llama, drafter):
     """χ² of (t1, t2, t3) against the law of plain sampling from the processed distributions,
@@ -289,7 +267,7 @@ def test_speculative_sampling_under_a_repetition_penalty_is_exact(tiny_llama, dr
         greedy = decode(model, prefill(model, seed_prompt, 24), DecodeConfig(24), SamplingParams()).token_ids
         prompt = torch.tensor(seed_prompt.tolist() + greedy)
         base = dict(temperature=1.0, top_k=4, repetition_penalty=1.5, repetition_scope="answer")
-    exact = _processed_joint_law(model, prompt, SamplingParams(**base))
+    exact = exact_joint_law(model, prompt, SamplingParams(**base))
     config = DecodeConfig(max_new_tokens=3)
     prefilled = prefill(model, prompt, 3)
     tally = SampleTally()
@@ -301,7 +279,7 @@ def test_speculative_sampling_under_a_repetition_penalty_is_exact(tiny_llama, dr
         params = SamplingParams(**base, seed=seed)
         tally.add(decode(model, prefilled.copy(), config, params, d, prompt.tolist()))
     tally.assert_follows(exact)
-    unpenalized = _processed_joint_law(model, prompt, SamplingParams(temperature=1.0, top_k=4))
+    unpenalized = exact_joint_law(model, prompt, SamplingParams(temperature=1.0, top_k=4))
     assert chi_square_p_value(tally.counts, unpenalized, sum(tally.counts.values())) < 1e-6
 
 

@@ -135,6 +135,42 @@ def test_resume_after_a_killed_run_writes_each_id_once(tiny_chat_checkpoint, tmp
     assert sorted(read_output(out / OUTPUT_NAME).column("id").to_pylist()) == sorted(r["id"] for r in rows)
 
 
+def _summarize_actor_pids() -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "MapWorker(MapBatches(SummarizeBatch))" in line]
+
+
+def test_a_killed_summarize_actor_is_restarted_and_every_row_written_once(tiny_chat_checkpoint, tmp_path):
+    """Ray Data restarts the stage's actor from its constructor arguments (which Ray logs an
+    ERROR line about: ray-project/ray#57733): the restarted actor finds the replicas by name,
+    its documents are redone, and the run writes each row once."""
+    docs = sample_documents()
+    rows = [{"id": f"doc-{i}", "text": excerpt(docs[i % len(docs)]["text"], 3 + i % 3)} for i in range(8)]
+    input_path = tmp_path / "docs.jsonl"
+    pa.Table.from_pylist(rows).to_pandas().to_json(input_path, orient="records", lines=True)
+    out = tmp_path / "out"
+    args = ["--input", input_path, "--output", out, "--model", tiny_chat_checkpoint, "--max-new-tokens", "24",
+            "--max-chunk-tokens", "384", "--strategy", "ar", "--documents-in-flight", "2"]  # fmt: skip
+    job = subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], env=job_env(), cwd=REPO,
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)  # fmt: skip
+    try:
+        killed = None
+        for line in job.stdout:  # the first finished document: the stage's actor is at work
+            if line.startswith("[1/8]"):
+                (killed,) = _summarize_actor_pids()
+                os.kill(killed, signal.SIGKILL)
+                break
+        rest = job.stdout.read()
+        assert job.wait(timeout=600) == 0, rest[-3000:]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert killed is not None, "no document finished"
+    ids = read_output(out / OUTPUT_NAME).column("id").to_pylist()
+    assert sorted(ids) == sorted(r["id"] for r in rows)  # every row exactly once
+    assert "| 8 | 8 | 0 |" in rest
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
