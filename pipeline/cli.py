@@ -26,16 +26,6 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"error: {message} (see --help)\n")
 
 
-def positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {number}")
-    return number
-
-
 def positive_float(value: str) -> float:
     try:
         number = float(value)
@@ -46,14 +36,21 @@ def positive_float(value: str) -> float:
     return number
 
 
-def non_negative_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {number}")
-    return number
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {number}")
+        return number
+
+    return parse
+
+
+positive_int = _int_at_least(1)
+non_negative_int = _int_at_least(0)
 
 
 def add_sampling_arguments(
