@@ -220,6 +220,19 @@ def synthetic_latency(num_layers: int, verify_growth: float) -> LatencyModel:
     )
 
 
+def load_job(script: str, module_name: str):
+    """A script of jobs/ (a folder of scripts, not a package) as a module, registered under
+    `module_name` (its dataclasses look their module up in sys.modules)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(module_name, REPO / "jobs" / script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def random_prompt(seed: int, length: int = 48) -> torch.Tensor:
     return torch.randint(3, 96, (length,), generator=torch.Generator().manual_seed(seed))
 

@@ -2,33 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("benchmark_script", REPO / "jobs" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from tests.builders import load_job
 
 
 def test_pearson():
-    benchmark = load_script()
+    benchmark = load_job("benchmark.py", "benchmark_script")
     assert benchmark.pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
     assert benchmark.pearson([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
     assert benchmark.pearson([1, 2], [1, 2]) is None
 
 
 def test_strategies_by_bare_name_or_with_a_mode():
-    benchmark = load_script()
+    benchmark = load_job("benchmark.py", "benchmark_script")
     assert benchmark.parse_strategy("knapspec") == ("knapspec", "fp16w")  # as generate.py takes it
     assert benchmark.parse_strategy("ar:auto") == ("ar", "fp16w")
     assert benchmark.parse_strategy(" hf:fp32") == ("hf", "fp32")
@@ -40,7 +29,7 @@ def test_strategies_by_bare_name_or_with_a_mode():
 
 
 def test_runs_alternate_their_order():
-    benchmark = load_script()
+    benchmark = load_job("benchmark.py", "benchmark_script")
     pairs = [("ar", "fp16w"), ("knapspec", "fp16w"), ("ar-control", "fp16w")]
     assert benchmark.run_order(pairs, 0) == pairs
     assert benchmark.run_order(pairs, 1) == pairs[::-1]
@@ -57,7 +46,7 @@ def record(benchmark, strategy, context, speedup, predicted=None, measured=10.0,
 
 
 def test_summary_per_length_and_prediction_error():
-    benchmark = load_script()
+    benchmark = load_job("benchmark.py", "benchmark_script")
     records = [
         record(benchmark, "ar", 503, 1.0),
         record(benchmark, "knapspec", 503, 0.9, predicted=12.0, share=0.02),
@@ -82,7 +71,7 @@ def test_summary_per_length_and_prediction_error():
 
 @pytest.mark.slow
 def test_benchmark_writes_records_and_plot(tmp_path):
-    benchmark = load_script()
+    benchmark = load_job("benchmark.py", "benchmark_script")
     code = benchmark.main(
         [
             "--ids", "gao-26-109008",
@@ -116,7 +105,7 @@ def test_benchmark_writes_records_and_plot(tmp_path):
 def test_benchmark_across_batch_sizes(tmp_path):
     """--batch-sizes: every strategy at every size on the same prompts, transformers' generate()
     on a left-padded batch beside ours; speed-ups against ar at the same size and at size 1."""
-    benchmark = load_script()
+    benchmark = load_job("benchmark.py", "benchmark_script")
     code = benchmark.main(
         [
             "--ids", "gao-26-109008", "--context-lengths", "150", "--max-new-tokens", "6", "--repeats", "1",

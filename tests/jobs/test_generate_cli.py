@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import ConfigError, RowError
-from tests.builders import assert_same_or_near_tie, sample_documents
+from tests.builders import assert_same_or_near_tie, load_job, sample_documents
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "jobs" / "generate.py"
@@ -20,15 +19,7 @@ SAMPLE = REPO / "data" / "sample.jsonl"
 SAMPLE_ID = "gao-26-109008"
 
 
-def _import_script():
-    # jobs/ is a folder of scripts, not a package.
-    spec = importlib.util.spec_from_file_location("generate_cli", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-generate = _import_script()
+generate = load_job("generate.py", "generate_cli")
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

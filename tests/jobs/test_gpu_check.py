@@ -3,25 +3,15 @@ report a GPU run would, and a machine without CUDA is told so in one line."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import torch
 
-from tests.builders import REPO
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check_script", REPO / "jobs" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.builders import load_job
 
 
 def test_the_cpu_form_reports_costs_and_greedy_equality(tmp_path):
-    gpu_check = load_script()
+    gpu_check = load_job("gpu_check.py", "gpu_check_script")
     code = gpu_check.main(
         ["--device", "cpu", "--shape", "tiny", "--batch-sizes", "1,4", "--context", "256", "--verify-rows", "4",
          "--iterations", "2", "--output", str(tmp_path)]
@@ -39,6 +29,6 @@ def test_the_cpu_form_reports_costs_and_greedy_equality(tmp_path):
 def test_no_cuda_is_one_clear_error(capsys):
     if torch.cuda.is_available():
         return
-    gpu_check = load_script()
+    gpu_check = load_job("gpu_check.py", "gpu_check_script")
     assert gpu_check.main(["--output", "unused"]) == 2
     assert "no CUDA device" in capsys.readouterr().err

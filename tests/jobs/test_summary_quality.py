@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
-from tests.builders import REPO
+from tests.builders import load_job
 
-
-def _import_script():
-    # jobs/ is a folder of scripts, not a package.
-    spec = importlib.util.spec_from_file_location("summary_quality", REPO / "jobs" / "summary_quality.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-quality = _import_script()
+quality = load_job("summary_quality.py", "summary_quality")
 
 
 def test_settings_parse_as_written():

@@ -5,7 +5,6 @@ No test asserts on wall time: timings are checked for shape, sign and finiteness
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import math
@@ -41,22 +40,14 @@ from profiling.timer import (
     benchmark_interleaved,
     timer_for,
 )
-from tests.builders import load_tiny
+from tests.builders import load_job, load_tiny
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "jobs" / "calibrate.py"
 LENGTHS = (128, 512, 1024, 2048, 4096)
 
 
-def _import_script():
-    # jobs/ is a folder of scripts, not a package.
-    spec = importlib.util.spec_from_file_location("profile_cli", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-profile_cli = _import_script()
+profile_cli = load_job("calibrate.py", "profile_cli")
 
 
 # ------------------------------------------------------------------- fit
