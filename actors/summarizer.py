@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -58,7 +58,7 @@ class SummarizerConfig:
     max_chunk_tokens: int = 4096  # prompt budget of one request, template included
     dtype: str = "auto"
     device: str = "cpu"
-    params: SamplingParams = field(default_factory=lambda: DEFAULT_SUMMARY_PARAMS)
+    params: SamplingParams = DEFAULT_SUMMARY_PARAMS
     replicas: int = 1
     pipeline_parallel: int = 1
     tensor_parallel: int = 1
