@@ -23,6 +23,7 @@ from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest
 from pipeline.decoding.stats import GenerationStats
 from pipeline.errors import ConfigError
 from pipeline.knapspec.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter
+from pipeline.knapspec.batch_plan import BatchPlanner
 from pipeline.knapspec.drafter import KnapSpecDrafter
 from pipeline.knapspec.hybrid import KnapSpecLookupDrafter
 from pipeline.knapspec.latency import LatencyModel
@@ -59,14 +60,18 @@ def _static(engine: Engine, strategy: StrategyConfig) -> Drafter:
 def _knapspec(coupled: bool) -> Callable[[Engine, StrategyConfig], Drafter]:
     def build(engine: Engine, strategy: StrategyConfig) -> Drafter:
         config = KnapSpecConfig(max_draft=strategy.max_draft, coupled=coupled)
-        return KnapSpecDrafter(engine.latency, config, engine.search_history(strategy.name))
+        drafter = KnapSpecDrafter(engine.latency, config, engine.search_history(strategy.name))
+        drafter.batch_planner = engine.batch_planner(strategy.name, config)
+        return drafter
 
     return build
 
 
 def _knapspec_lookup(engine: Engine, strategy: StrategyConfig) -> Drafter:
     config = KnapSpecConfig(max_draft=strategy.max_draft)
-    return KnapSpecLookupDrafter(engine.latency, config, PromptLookupDrafter(), engine.search_history(strategy.name))
+    drafter = KnapSpecLookupDrafter(engine.latency, config, PromptLookupDrafter(), engine.search_history(strategy.name))
+    drafter.knapspec.batch_planner = engine.batch_planner(strategy.name, config)
+    return drafter
 
 
 def _baseline(cls: type) -> Callable[[Engine, StrategyConfig], Drafter]:
@@ -166,6 +171,7 @@ class Engine:
         self._calibrator = calibrator
         # Per strategy: what earlier requests' searches concluded on this model and device.
         self._search_history = {name: SearchHistory() for name in SEARCHING_STRATEGIES}
+        self._batch_planners: dict[tuple[str, KnapSpecConfig], BatchPlanner] = {}
         logger.info("Loaded %s (%d layers) in %s mode", self.path.name, self.model.spec.num_layers, self.mode.value)
 
     @property
@@ -202,6 +208,15 @@ class Engine:
     def search_history(self, strategy: str) -> SearchHistory:
         """What earlier requests of `strategy` on this engine concluded (shared by its drafters)."""
         return self._search_history[strategy]
+
+    def batch_planner(self, strategy: str, config: KnapSpecConfig) -> BatchPlanner:
+        """The planner of `strategy`'s requests inside a batch: one sub-network for all of them
+        (knapspec/batch_plan.py). One per strategy and configuration: a replica runs one batch
+        at a time (a pipelined replica's lanes plan per request: its DP runs stage by stage)."""
+        key = (strategy, config)
+        if key not in self._batch_planners:
+            self._batch_planners[key] = BatchPlanner(self.latency, config, self.search_history(strategy))
+        return self._batch_planners[key]
 
     def drafter(self, strategy: StrategyConfig) -> Drafter:
         build = REGISTRY[strategy.name].build

@@ -99,6 +99,12 @@ class DraftBudget:
     def __init__(self) -> None:
         self.cost: OnlineStepCost | None = None
 
+    def step_cost(self, latency) -> OnlineStepCost:
+        """The batch's step cost, started from `latency`'s table if nothing has started it yet."""
+        if self.cost is None:
+            self.cost = OnlineStepCost(StepCost.from_table(latency))
+        return self.cost
+
     def fit(self, requests: Sequence[DecodingRequest], drafts: Sequence[Draft]) -> list[Draft]:
         """The drafts of requests verified together, each cut to the positions that pay in this
         batch; a request alone verifies its draft as proposed (its drafter weighed it)."""

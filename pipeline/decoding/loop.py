@@ -97,6 +97,7 @@ def decode_batch(model: SublayerModel, requests: Sequence[DecodingRequest]) -> l
     limit; the others go on."""
     budget = DraftBudget()
     while running := [request for request in requests if request.running]:
+        plan_together(model, running, budget)
         drafts = propose_together(model, running)
         for draft in drafts:
             if isinstance(draft, Exception):
@@ -109,6 +110,19 @@ def decode_batch(model: SublayerModel, requests: Sequence[DecodingRequest]) -> l
         for request, draft, logits in zip(running, drafts, outputs):
             request.accept(draft, logits)
     return [request.result() for request in requests]
+
+
+def plan_together(model: SublayerModel, requests: Sequence[DecodingRequest], budget: DraftBudget) -> None:
+    """Before a batch step: the requests whose drafters share a batch planner (KnapSpec for
+    batches, knapspec/batch_plan.py) get one plan for all of them, made from the batch's
+    step cost; alone, a request plans for itself."""
+    groups: dict[int, tuple[object, list[DecodingRequest]]] = {}
+    for request in requests:
+        planner = getattr(request.drafter, "batch_planner", None)
+        if planner is not None:
+            groups.setdefault(id(planner), (planner, []))[1].append(request)
+    for planner, members in groups.values():
+        planner.prepare(model, members, budget.step_cost(planner.latency))
 
 
 def propose_together(model: SublayerModel, requests: Sequence[DecodingRequest]) -> list[Draft | Exception]:

@@ -30,6 +30,7 @@ from pipeline.decoding.loop import (
     DecodingRequest,
     GenerationResult,
     Prefilled,
+    plan_together,
     propose_together,
 )
 from pipeline.decoding.sampling import SamplingParams
@@ -157,6 +158,8 @@ class ContinuousBatcher:
         finished: list[Finished] = []
         running = list(self.running.items())
         try:
+            if running:
+                plan_together(self.model, [request for _, request in running], self.budget)
             drafts = propose_together(self.model, [request for _, request in running]) if running else []
         except Exception as e:  # a batched draft forward failed (a lost stage): as a failed verify
             logger.exception("A batched draft forward of %d requests failed", len(running))

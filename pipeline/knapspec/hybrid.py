@@ -50,6 +50,11 @@ class KnapSpecLookupDrafter:
         # Declined copies awaiting the tokens that score them: (where they start, tokens).
         self._shadows: list[tuple[int, list[int]]] = []
 
+    @property
+    def batch_planner(self):
+        """The batch planner of its layer drafts (batch_plan.py); copied drafts are its own."""
+        return self.knapspec.batch_planner
+
     def survival(self, gamma: int) -> list[float]:
         """[j]: P(copied positions 0..j all accepted), for j < γ, from the counts and the prior."""
         return [

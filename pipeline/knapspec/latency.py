@@ -124,7 +124,7 @@ class LatencyModel:
             raise ValueError(f"weight cap must be >= 1, got {cap}")
         t_attn = self.t_attn(n)
         delta = min(t_attn, self.t_mlp)
-        w_attn, w_mlp = (_weight(t, delta, cap) for t in (t_attn, self.t_mlp))
+        w_attn, w_mlp = (integer_weight(t, delta, cap) for t in (t_attn, self.t_mlp))
         return [w_attn if items.is_attention(item) else w_mlp for item in range(self.num_items)]
 
     def bypass_weights(self, n: int, cap: int = DEFAULT_WEIGHT_CAP) -> list[tuple[int, int, int]]:
@@ -154,7 +154,8 @@ class LatencyModel:
             raise ValueError(f"item {item} is outside 0..{self.num_items - 1}")
 
 
-def _weight(t: float, delta: float, cap: int) -> int:
+def integer_weight(t: float, delta: float, cap: int) -> int:
+    """An item's knapsack weight: its cost `t` in units of `delta`, half up, in [1, cap]."""
     if delta <= 0:
         # A free item costs one unit; anything else is infinitely many free ones.
         return 1 if t <= 0 else cap
@@ -215,14 +216,14 @@ class PipelineLatency:
         if cap < 1:
             raise ValueError(f"weight cap must be >= 1, got {cap}")
         delta = self._unit(n)
-        return [_weight(self.t_item(item, n), delta, cap) for item in range(self.num_items)]
+        return [integer_weight(self.t_item(item, n), delta, cap) for item in range(self.num_items)]
 
     def bypass_weights(self, n: int, cap: int = DEFAULT_WEIGHT_CAP) -> list[tuple[int, int, int]]:
         """(first item, end item, weight) of each middle stage: a draft that skips all its items
         also saves the hop into it, on the items' scale (see KnapsackProblem.bypass)."""
         if self.t_hop <= 0 or len(self.stages) < 3:
             return []
-        weight = _weight(self.t_hop, self._unit(n), cap)
+        weight = integer_weight(self.t_hop, self._unit(n), cap)
         groups, offset = [], self.stages[0].num_items
         for stage in self.stages[1:-1]:
             groups.append((offset, offset + stage.num_items, weight))

@@ -125,6 +125,10 @@ class ReplanningDrafter:
         self.optimize_s = 0.0
         self.plans: list[DraftPlan] = []
         self.num_postponed = 0  # checks that found no time for a search
+        # Inside a batch a BatchPlanner (batch_plan.py) may plan for this request with the
+        # others: while it does, this drafter drafts with the batch's plan and does not search.
+        self.batch_planner = None
+        self._adopted = False
 
     def propose(self, request: DraftRequest) -> Draft:
         return run_steps(request, self.propose_steps(request))
@@ -133,7 +137,9 @@ class ReplanningDrafter:
         """Re-plan when due (the search runs here, for this request alone), then draft with the
         plan's sub-network, step by step."""
         context = request.cache.length
-        if self.plan is None and self.history.consecutive_ar(self._weights_at(context)):
+        if self._adopted:
+            pass  # the batch's plan
+        elif self.plan is None and self.history.consecutive_ar(self._weights_at(context)):
             # Earlier requests' searches found nothing at this context: start plainly.
             plan = choose_plan([], lambda k: self.latency.t_verify(k, context), self.config.max_draft)
             self._set_plan(plan, request.model, context, searched=False)
@@ -151,6 +157,20 @@ class ReplanningDrafter:
         if self._drafter is None:
             return Draft([])
         return (yield from self._drafter.propose_steps(request))
+
+    def adopt(self, plan: DraftPlan, model: SublayerModel, context: int, searched: bool) -> None:
+        """Draft with a batch's plan from now on (`searched`: a batch search just made it)."""
+        self._adopted = True
+        if searched or plan is not self.plan:
+            self._set_plan(plan, model, context, searched=False)
+            if searched:
+                self.plans.append(plan)
+
+    def release(self) -> None:
+        """No batch plans for this request any more: it plans alone again, from its next step."""
+        if self._adopted:
+            self._adopted = False
+            self.plan, self._drafter = None, None
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         self._steps_since_plan += 1
@@ -183,10 +203,7 @@ class ReplanningDrafter:
         raise NotImplementedError
 
     def _interval(self) -> int:
-        """Steps until the next search. After consecutive AR verdicts the re-check backs off
-        (doubling, up to 8x): a search that keeps finding nothing should not keep costing."""
-        num_ar = self.history.consecutive_ar(self._weights) if self._weights is not None else 0
-        return self.config.reoptimize_every * 2 ** min(max(num_ar - 1, 0), 3)
+        return search_interval(self.config, self.history, self._weights)
 
     def _weights_at(self, context: int) -> tuple[int, ...]:
         return tuple(self.latency.item_weights(context, self.config.weight_cap))
@@ -229,6 +246,13 @@ class ReplanningDrafter:
             plan.predicted_tpt,
             plan.ar_tpt,
         )
+
+
+def search_interval(config: KnapSpecConfig, history: SearchHistory, weights: tuple[int, ...] | None) -> int:
+    """Steps until the next search. After consecutive AR verdicts at these weights the re-check
+    backs off (doubling, up to 8x): a search that keeps finding nothing should not keep costing."""
+    num_ar = history.consecutive_ar(weights) if weights is not None else 0
+    return config.reoptimize_every * 2 ** min(max(num_ar - 1, 0), 3)
 
 
 def top1_tokens(model: SublayerModel, hidden: torch.Tensor) -> torch.Tensor:

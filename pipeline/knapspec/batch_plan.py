@@ -1,0 +1,340 @@
+"""KnapSpec for a batch: one sub-network for every request of a batched step.
+
+An MLP item saves time only if no request of the step runs it, so the knapsack picks one
+skip set for the batch. Its weights are the batched step's (batch_latency.py: MLPs shared
+by the batch, attention growing with its total context); its value is the mean cosine over
+reference tokens pooled from the requests (a few recent tokens of each, every request's
+attention items over its own cache), run as the usual DP with the branches batched. Each
+candidate's acceptance α is estimated per request (its reference tokens' top-1 agreement
+and what it accepted under the current plan), and the plan maximizes the tokens the batch
+expects per second of its steps:
+
+    TPT(S, γ) = Σᵢ (1 − αᵢ^(γ+1)) / (1 − αᵢ) / (γ · T_draft(S) + T_verify(γ + 1))
+
+against R / T_verify(1) of plain decoding (the AR fallback, for the whole batch). Each
+request's draft still stops early at its own confidence stop. The plan is re-made every
+`reoptimize_every` steps (backed off after AR verdicts) and when the batch's integer weights
+change; a request joining the batch adopts the current plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.decoding.batch_drafts import pooled
+from pipeline.decoding.step_cost import OnlineStepCost
+from pipeline.knapspec.batch_latency import BatchLatency, BatchShape
+from pipeline.knapspec.knapsack import (
+    KnapsackProblem,
+    RunItem,
+    RunsKnapsack,
+    branch_runner,
+    default_always_execute,
+    run_dp,
+)
+from pipeline.knapspec.latency import LatencyModel
+from pipeline.knapspec.replanning import KnapSpecConfig, SearchHistory, search_interval, top1_tokens
+from pipeline.knapspec.tpt import DraftPlan, expected_tokens, smoothed_alpha
+from pipeline.model import items
+
+logger = logging.getLogger(__name__)
+
+# Requests whose reference tokens a batch search reads, and the fewest tokens from each: the
+# DP's rows grow with the tokens, and a handful from each of eight requests tell more about
+# the batch than many from one.
+MAX_SAMPLED_REQUESTS = 8
+MIN_TOKENS_PER_REQUEST = 2
+
+
+@dataclass(frozen=True)
+class ReferenceSpan:
+    """One request's reference tokens: its committed tokens at [start, start + len(ids))."""
+
+    cache: object  # the request's KV cache (only read)
+    ids: torch.Tensor  # [r_i]
+    start: int
+
+
+@dataclass(frozen=True)
+class BatchCandidate:
+    skip: frozenset[int]
+    alphas: tuple[float, ...]  # each request's acceptance estimate
+
+
+def pooled_runner(model, spans: Sequence[ReferenceSpan]) -> RunItem:
+    """The DP's item runner over the spans' tokens side by side [B, Σ rᵢ, d]: an MLP item on
+    all of them at once, an attention item on each span over its own cache."""
+    bounds = [0]
+    for span in spans:
+        bounds.append(bounds[-1] + span.ids.numel())
+
+    def run(item: int, hidden: torch.Tensor) -> torch.Tensor:
+        first = spans[0]
+        if not items.is_attention(item):
+            return model.run_item_branches(item, hidden, first.cache, first.start)
+        parts = [
+            model.run_item_branches(item, hidden[:, a:b], span.cache, span.start)
+            for span, a, b in zip(spans, bounds, bounds[1:])
+        ]
+        return torch.cat(parts, dim=1)
+
+    return run
+
+
+def search_batch_candidates(
+    model, spans: Sequence[ReferenceSpan], problem: KnapsackProblem, layer_rows: bool = False
+) -> list[tuple[frozenset[int], list[torch.Tensor]]]:
+    """The batch DP on the spans' pooled tokens: (skip set, top-1 tokens per span) of every
+    candidate, the full model first. `layer_rows`: layer-granular items (the coupled ablation;
+    `problem` is then over layers)."""
+    token_ids = torch.cat([span.ids for span in spans])
+    frontier = run_dp(model.embed_tokens(token_ids), problem, branch_runner(pooled_runner(model, spans), layer_rows))
+    top1 = top1_tokens(model, frontier.hidden)  # [B, Σ r_i]
+    sizes = [span.ids.numel() for span in spans]
+    order = sorted(range(len(frontier.skips)), key=lambda b: frontier.weights[b])
+    out = []
+    for b in order:
+        skip = frontier.skips[b]
+        if layer_rows:
+            skip = items.items_of_layers(skip)
+        out.append((skip, list(torch.split(top1[b], sizes))))
+    return out
+
+
+def choose_batch_plan(
+    candidates: Sequence[BatchCandidate],
+    latency: BatchLatency,
+    contexts: Sequence[int],
+    padded: bool,
+    max_draft: int,
+    margin: float,
+) -> tuple[DraftPlan, float, float]:
+    """The (candidate, γ) with the most tokens per second for the batch, or AR unless it wins
+    by `margin`. Returns the plan (its TPTs per request, as a single request's plan has them),
+    the batch's predicted tokens per second and plain decoding's."""
+    num = len(contexts)
+    ar_step = latency.t_step((), BatchShape.decoding(contexts, 1, padded))
+    ar_tpt = num / ar_step
+    best: tuple[float, DraftPlan] | None = None
+    for candidate in candidates:
+        if not candidate.skip:
+            continue  # drafting with the full model never pays
+        t_draft = latency.t_step(candidate.skip, BatchShape.decoding(contexts, 1, padded))
+        mean_alpha = sum(candidate.alphas) / len(candidate.alphas)
+        for gamma in range(1, max_draft + 1):
+            t_verify = latency.t_step((), BatchShape.decoding(contexts, gamma + 1, padded))
+            tokens = sum(expected_tokens(alpha, gamma) for alpha in candidate.alphas)
+            tpt = tokens / (gamma * t_draft + t_verify)
+            if best is None or tpt > best[0]:
+                best = (tpt, DraftPlan(candidate.skip, gamma, mean_alpha, tpt / num, ar_tpt / num))
+    if best is not None and best[0] > ar_tpt * (1.0 + margin):
+        return best[1], best[0], ar_tpt
+    return DraftPlan(None, 0, 0.0, ar_tpt / num, ar_tpt / num), ar_tpt, ar_tpt
+
+
+def optimistic_batch_tpt(latency: BatchLatency, weights: Sequence[int], contexts, padded, max_draft, alpha) -> float:
+    """An upper bound on any candidate's batch TPT: every request accepting with `alpha`, and a
+    draft step cheaper by the most a budget of half the weight can skip (fractional knapsack)."""
+    shape = BatchShape.decoding(contexts, 1, padded)
+    costs = latency.item_costs(shape)
+    always = default_always_execute(latency.num_layers)
+    skippable = [i for i in range(len(weights)) if i not in always]
+    cost_of = [costs.attention if items.is_attention(i) else costs.mlp for i in range(len(weights))]
+    budget, saved = sum(weights) // 2, 0.0
+    for i in sorted(skippable, key=lambda i: cost_of[i] / weights[i], reverse=True):
+        take = min(1.0, budget / weights[i])
+        saved += take * cost_of[i]
+        budget -= take * weights[i]
+        if budget <= 0:
+            break
+    t_draft = latency.t_step((), shape) - saved
+    best = 0.0
+    for gamma in range(1, max_draft + 1):
+        t_verify = latency.t_step((), BatchShape.decoding(contexts, gamma + 1, padded))
+        best = max(best, len(contexts) * expected_tokens(alpha, gamma) / (gamma * t_draft + t_verify))
+    return best
+
+
+class BatchPlanner:
+    """One plan for the KnapSpec requests of a batch (the drafters built with this planner)."""
+
+    def __init__(self, latency: LatencyModel, config: KnapSpecConfig, history: SearchHistory | None = None) -> None:
+        self.latency = latency
+        self.config = config
+        self.history = history if history is not None else SearchHistory()
+        self.plan: DraftPlan | None = None
+        self._weights: tuple[int, ...] | None = None
+        self._steps = 0
+        self._members: set[int] = set()  # ids of the drafters that hold the current plan
+        # What the searches chose and predicted, for the benchmark's report.
+        self.searches: list[dict] = []
+        self.num_postponed = 0
+
+    # ------------------------------------------------------------ per step
+
+    def prepare(self, model, requests: Sequence, cost: OnlineStepCost | None) -> None:
+        """Before a batch step: the plan of `requests` (DecodingRequests whose drafters carry this
+        planner), re-made when due, adopted by each. Alone, or on a model this planner cannot
+        search (a pipeline runs its DP stage by stage), each request plans for itself."""
+        drafters = [layer_drafter(r.drafter) for r in requests]
+        if len(requests) < 2 or isinstance(model, RunsKnapsack) or not isinstance(self.latency, LatencyModel):
+            for drafter in drafters:
+                drafter.release()
+            self._members.clear()
+            return
+        batch = BatchLatency.of(self.latency, cost.current() if cost is not None else None)
+        contexts = [r.cache.length for r in requests]
+        padded = pooled(requests)
+        weights = tuple(batch.item_weights(BatchShape.decoding(contexts, 1, padded), self.config.weight_cap))
+        self._steps += 1
+        searched = False
+        if (
+            self.plan is None
+            or weights != self._weights
+            or self._steps >= search_interval(self.config, self.history, self._weights)
+        ):
+            plan = self._make_plan(model, requests, drafters, batch, weights, contexts, padded)
+            searched = plan is not None
+            if plan is None:  # no time for a search now: plain decoding until the next check
+                self.num_postponed += 1
+                ar_tpt = 1.0 / batch.t_step((), BatchShape.decoding(contexts, 1, padded))
+                plan = DraftPlan(None, 0, 0.0, ar_tpt, ar_tpt)
+            self.plan, self._weights, self._steps = plan, weights, 0
+            self._members.clear()
+        for r, drafter in zip(requests, drafters):
+            drafter.adopt(self.plan, model, r.cache.length, searched=searched or id(drafter) not in self._members)
+            self._members.add(id(drafter))
+
+    # ------------------------------------------------------------ planning
+
+    def _make_plan(self, model, requests, drafters, batch, weights, contexts, padded) -> DraftPlan | None:
+        config = self.config
+        t0 = time.perf_counter()
+        r = config.num_reference_tokens
+        bound = optimistic_batch_tpt(
+            batch,
+            weights,
+            contexts,
+            padded,
+            config.max_draft,
+            smoothed_alpha(r, r, 0, 0, config.prior_mean, config.prior_strength),
+        )
+        ar_tpt = len(contexts) / batch.t_step((), BatchShape.decoding(contexts, 1, padded))
+        if bound <= ar_tpt * (1.0 + config.margin):
+            plan = DraftPlan(None, 0, 0.0, ar_tpt / len(contexts), ar_tpt / len(contexts))
+            self._record(plan, weights, contexts, ar_tpt, ar_tpt, time.perf_counter() - t0, requests, searched=False)
+            return plan
+        spans, sampled = self._spans(model, requests)
+        if not spans:
+            return None
+        branches = self._branches(batch, contexts, padded, sum(s.ids.numel() for s in spans), requests)
+        if branches == 0:
+            return None
+        problem = self._problem(weights, model.spec.num_layers, branches)
+        candidates = search_batch_candidates(model, spans, problem, layer_rows=config.coupled)
+        full = candidates[0][1]
+        scored = []
+        for skip, top1 in candidates:
+            alphas = []
+            for k, (span, ids) in enumerate(zip(spans, top1)):
+                accepted, drafted = drafters[sampled[k]].observed(skip)
+                matches = int((ids == full[k]).sum())
+                alphas.append(
+                    smoothed_alpha(matches, ids.numel(), accepted, drafted, config.prior_mean, config.prior_strength)
+                )
+            mean = sum(alphas) / len(alphas)
+            by_request = dict(zip(sampled, alphas))
+            scored.append(BatchCandidate(skip, tuple(by_request.get(i, mean) for i in range(len(requests)))))
+        plan, tpt, ar = choose_batch_plan(scored, batch, contexts, padded, config.max_draft, config.margin)
+        seconds = time.perf_counter() - t0
+        estimate = self.latency.t_search(branches * sum(s.ids.numel() for s in spans), _mean(contexts))
+        if estimate > 0:
+            self.history.search_cost_ratios.append(seconds / estimate)
+        self._record(plan, weights, contexts, tpt, ar, seconds, requests, searched=True)
+        return plan
+
+    def _spans(self, model, requests) -> tuple[list[ReferenceSpan], list[int]]:
+        """A few committed tokens of up to MAX_SAMPLED_REQUESTS requests (those with the longest
+        answers so far: their recent tokens are the answer's, not the prompt's)."""
+        order = sorted(range(len(requests)), key=lambda i: -len(requests[i].output))[:MAX_SAMPLED_REQUESTS]
+        per = max(MIN_TOKENS_PER_REQUEST, -(-self.config.num_reference_tokens // len(order)))
+        spans, sampled = [], []
+        for i in order:
+            request = requests[i]
+            context = request.cache.length
+            if context <= per:
+                continue
+            ids = torch.tensor(request.history[context - per : context], device=model.device)
+            spans.append(ReferenceSpan(request.cache, ids, context - per))
+            sampled.append(i)
+        return spans, sampled
+
+    def _branches(self, batch: BatchLatency, contexts, padded, tokens: int, requests) -> int | None:
+        """The branch cap that keeps the search within its share of the batch's decode time until
+        the next search (KnapSpecDrafter.search_branches, for a batch)."""
+        cap, share = self.config.max_branches, self.config.max_search_share
+        if share is None:
+            return cap
+        steps_left = max(r.config.max_new_tokens - len(r.output) for r in requests)
+        steps = min(search_interval(self.config, self.history, self._weights), max(steps_left, 1))
+        budget = share * steps * batch.t_step((), BatchShape.decoding(contexts, 1, padded))
+        scale = self.history.search_cost_scale()
+        most = (
+            cap if cap is not None else sum(self.latency.item_weights(_mean(contexts), self.config.weight_cap)) // 2 + 1
+        )
+        for branches in range(most, 0, -1):
+            if self.latency.t_search(branches * tokens, _mean(contexts)) * scale <= budget:
+                return branches
+        return 0
+
+    def _problem(self, weights: tuple[int, ...], num_layers: int, branches: int | None) -> KnapsackProblem:
+        config = self.config
+        if config.coupled:
+            weights = tuple(sum(weights[item] for item in items.layer_items(layer)) for layer in range(num_layers))
+            always = frozenset({0, num_layers - 1})
+        else:
+            always = default_always_execute(num_layers)
+        return KnapsackProblem(weights, sum(weights) // 2, config.threshold, always, branches)
+
+    def _record(self, plan, weights, contexts, tpt, ar_tpt, seconds, requests, searched: bool) -> None:
+        self.history.record(weights, plan.use_ar)
+        share = seconds / len(requests)
+        for r in requests:  # the search is every member's: each carries its share of the time
+            layer_drafter(r.drafter).optimize_s += share
+        attn, mlp = items.count_kinds(plan.skip or ())
+        self.searches.append(
+            {
+                "batch": len(contexts),
+                "total_context": sum(contexts),
+                "searched": searched,
+                "skipped_attn": attn,
+                "skipped_mlp": mlp,
+                "gamma": plan.gamma,
+                "predicted_tpt": tpt,
+                "ar_tpt": ar_tpt,
+                "seconds": seconds,
+            }
+        )
+        logger.debug(
+            "batch of %d at %d tokens: %s, predicted %.1f tok/s vs AR %.1f",
+            len(contexts),
+            sum(contexts),
+            "AR" if plan.use_ar else f"skip {attn} attention + {mlp} MLP items, γ={plan.gamma}",
+            tpt,
+            ar_tpt,
+        )
+
+
+def layer_drafter(drafter):
+    """The drafter that holds a request's layer plan: the KnapSpec part of the hybrid."""
+    return getattr(drafter, "knapspec", drafter)
+
+
+def _mean(values: Sequence[int]) -> int:
+    return int(math.fsum(values) / len(values)) if values else 0
