@@ -22,7 +22,7 @@ import logging
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -84,6 +84,15 @@ class Record:
     skipped_mlp: float | None
     batch_size: int = 1
     speedup_vs_batch1: float | None = None  # against the reference at batch 1
+    # A batch's step time as predicted before each step (after the first CALIBRATION_STEPS):
+    # mean relative error of the latency table's prediction and of the online fit's.
+    step_error_table: float | None = None
+    step_error_online: float | None = None
+    # KnapSpec's batch planner: its searches, and the best drafting plan's predicted batch
+    # tokens/s over plain decoding's (median; below 1 + margin it chose AR).
+    batch_searches: int | None = None
+    best_draft_gain: float | None = None  # of the searches that ran the DP
+    draft_bound_gain: float | None = None  # of those the optimistic bound spared (every token matched)
 
     @property
     def measured_tpt(self) -> float:
@@ -108,7 +117,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ids", default="gao-26-109008", help="comma-separated document ids")
     parser.add_argument("--context-lengths", default="512,2048,4096", help="prompt tokens, comma-separated")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="NAME:DTYPE pairs, comma-separated (a bare NAME: the CPU default mode)")
+    parser.add_argument(
+        "--strategies",
+        default=DEFAULT_STRATEGIES,
+        help="NAME:DTYPE pairs, comma-separated (a bare NAME: the CPU default mode)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--batch-sizes",
@@ -172,6 +185,7 @@ class BatchRun:
     results: list[GenerationResult]
     decode_s: float  # wall time of the batch's decode (after every prefill)
     prefill_s: float
+    searches: list[dict] = field(default_factory=list)  # the batch planner's, in this run
 
     @property
     def tokens_per_s(self) -> float:
@@ -212,9 +226,11 @@ def run_batch(
         )
         for p, f in zip(prompts, prefilled)
     ]
+    searched = len(engine.batch_searches(strategy))
     started = time.perf_counter()
     results = decode_batch(engine.model, requests)
-    return BatchRun(results, time.perf_counter() - started, sum(f.seconds for f in prefilled))
+    decode_s = time.perf_counter() - started
+    return BatchRun(results, decode_s, sum(f.seconds for f in prefilled), engine.batch_searches(strategy)[searched:])
 
 
 def _alone(
@@ -263,6 +279,15 @@ def batch_record(
         skipped_mlp=_median_extra(results, "mean_skipped_mlp"),
         batch_size=size,
         speedup_vs_batch1=statistics.median(speeds) / reference_at_1 if reference_at_1 else None,
+        step_error_table=_median_extra(results, "step_error_table"),
+        step_error_online=_median_extra(results, "step_error_online"),
+        batch_searches=sum(len(run.searches) for run in runs) // len(runs) if size > 1 else None,
+        best_draft_gain=_median_of(
+            [s["best_draft_tpt"] / s["ar_tpt"] for run in runs for s in run.searches if s["searched"]]
+        ),
+        draft_bound_gain=_median_of(
+            [s["best_draft_tpt"] / s["ar_tpt"] for run in runs for s in run.searches if not s["searched"]]
+        ),
     )
 
 
@@ -417,6 +442,10 @@ def main(argv: list[str] | None = None) -> int:
     if batches:
         print()
         print(batches)
+    plans = format_batch_plans(records)
+    if plans:
+        print()
+        print(plans)
     if forced:
         print()
         print(format_forced(forced))
@@ -530,6 +559,38 @@ def format_batches(records: list[Record], reference: tuple[str, str]) -> str:
     return "\n".join(lines)
 
 
+def format_batch_plans(records: list[Record]) -> str:
+    """KnapSpec inside batches: one plan per batch step (knapspec/batch_plan.py), what it skipped,
+    why it chose AR, and how well the step time was predicted."""
+    rows = [r for r in records if r.batch_size > 1 and r.batch_searches]
+    if not rows:
+        return ""
+
+    def cell(value: float | None, form: str) -> str:
+        return "" if value is None else format(value, form)
+
+    lines = [
+        "KnapSpec's batch plans: batch searches per run, items its speculating plans skipped, the best "
+        "drafting plan's predicted batch tokens/s over AR's (where the DP ran; else the optimistic bound that "
+        "spared it), its predicted vs measured tokens/s, the search's share of decode, and the mean error of "
+        "the step time predicted before each step by the latency table and by the online fit:",
+        "",
+        "| doc | context | strategy | batch | searches | attn skipped | MLP skipped | best draft / AR | bound / AR "
+        "| predicted tok/s | measured tok/s | search share | step error, table | step error, online |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in sorted(rows, key=lambda r: (r.doc_id, r.context_tokens, r.strategy, r.batch_size)):
+        predicted = r.predicted_tpt * r.batch_size if r.predicted_tpt is not None else None
+        lines.append(
+            f"| {r.doc_id} | {r.context_tokens} | {r.strategy} | {r.batch_size} | {r.batch_searches} "
+            f"| {cell(r.skipped_attn, '.1f')} | {cell(r.skipped_mlp, '.1f')} | {cell(r.best_draft_gain, '.2f')} "
+            f"| {cell(r.draft_bound_gain, '.2f')} | {cell(predicted, '.1f')} | {r.tokens_per_s:.1f} "
+            f"| {cell(r.dp_overhead_frac, '.1%')} | {cell(r.step_error_table, '.0%')} "
+            f"| {cell(r.step_error_online, '.0%')} |"
+        )
+    return "\n".join(lines)
+
+
 def format_summary(summary: dict, reference: tuple[str, str]) -> str:
     strategies = [label for label in summary if label != "forced"]
     if not strategies:
@@ -625,20 +686,25 @@ def pearson(xs: list[float], ys: list[float]) -> float | None:
 
 def plot(records: list[Record], forced: list[dict], reference: tuple[str, str], path: Path) -> None:
     """Speed-up vs context per strategy (geometric mean over documents, each document a faint
-    dot); attention vs MLP items skipped vs context; predicted vs measured TPT."""
+    dot); attention vs MLP items skipped vs context; predicted vs measured TPT; throughput vs
+    batch size; items skipped by KnapSpec's batch plans vs batch size per context."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
+    fig, axes = plt.subplots(1, 5, figsize=(26, 4.5))
     by_strategy: dict[str, dict[int, list[float]]] = {}
     skipped: dict[str, dict[int, list[tuple[float, float]]]] = {}
     throughput: dict[tuple[str, int], dict[int, list[float]]] = {}
+    batch_skipped: dict[tuple[str, int], dict[int, list[tuple[float, float]]]] = {}
     for r in records:
         label = f"{r.strategy}:{r.dtype}"
         length = length_bucket(r.context_tokens)
         throughput.setdefault((label, length), {}).setdefault(r.batch_size, []).append(r.tokens_per_s)
+        if r.strategy in SEARCHING and r.skipped_attn is not None:
+            key = (r.strategy, length)
+            batch_skipped.setdefault(key, {}).setdefault(r.batch_size, []).append((r.skipped_attn, r.skipped_mlp))
         if r.batch_size > 1:
             continue
         if r.speedup_vs_ar is not None:
@@ -675,8 +741,17 @@ def plot(records: list[Record], forced: list[dict], reference: tuple[str, str], 
     axes[2].scatter(
         [r.predicted_tpt for r in searched], [r.measured_tpt for r in searched], marker="x", label="knapspec (its plan)"
     )
+    # A batch plan predicts the batch's tokens/s (its per-request rate × the batch).
+    planned = [r for r in records if r.predicted_tpt is not None and r.batch_searches]
+    axes[2].scatter(
+        [r.predicted_tpt * r.batch_size for r in planned],
+        [r.measured_tpt for r in planned],
+        marker="+",
+        label="knapspec batch plans",
+    )
     limits = [v for f in forced for v in (f["predicted_tpt"], f["measured_tpt"])]
     limits += [v for r in searched for v in (r.predicted_tpt, r.measured_tpt)]
+    limits += [v for r in planned for v in (r.predicted_tpt * r.batch_size, r.measured_tpt)]
     if limits:
         axes[2].plot([min(limits), max(limits)], [min(limits), max(limits)], color="gray", linewidth=0.8)
     axes[2].set(xlabel="predicted tokens/s", ylabel="measured tokens/s", title="Latency model")
@@ -689,6 +764,23 @@ def plot(records: list[Record], forced: list[dict], reference: tuple[str, str], 
     axes[3].set_xticks(sizes, [str(size) for size in sizes])
     axes[3].minorticks_off()
     axes[3].legend(fontsize=6)
+    for (strategy, length), points in sorted(batch_skipped.items()):
+        xs = sorted(points)
+        line = axes[4].plot(
+            xs, [statistics.mean(a for a, _ in points[x]) for x in xs], marker="o", label=f"{strategy} ~{length:,} attn"
+        )[0]
+        axes[4].plot(
+            xs,
+            [statistics.mean(m for _, m in points[x]) for x in xs],
+            marker="x",
+            linestyle="--",
+            color=line.get_color(),
+            label=f"{strategy} ~{length:,} MLP",
+        )
+    axes[4].set(xlabel="batch size", ylabel="items skipped (speculating plans)", title="Skipped vs batch", xscale="log")
+    axes[4].set_xticks(sizes, [str(size) for size in sizes])
+    axes[4].minorticks_off()
+    axes[4].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

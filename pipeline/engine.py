@@ -218,6 +218,10 @@ class Engine:
             self._batch_planners[key] = BatchPlanner(self.latency, config, self.search_history(strategy))
         return self._batch_planners[key]
 
+    def batch_searches(self, strategy: str) -> list[dict]:
+        """What `strategy`'s batch planners chose and predicted, search by search, oldest first."""
+        return [s for (name, _), planner in self._batch_planners.items() if name == strategy for s in planner.searches]
+
     def drafter(self, strategy: StrategyConfig) -> Drafter:
         build = REGISTRY[strategy.name].build
         # transformers generate() drafts by itself: nothing of ours proposes.

@@ -21,6 +21,9 @@ from pipeline.model.kv_cache import KVCache
 from pipeline.model.packing import RequestRows
 from pipeline.model.sublayer_model import SublayerModel
 
+# Steps a batch's online step cost has seen before its predictions are reported (decode_batch).
+CALIBRATION_STEPS = 16
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -109,7 +112,12 @@ def decode_batch(model: SublayerModel, requests: Sequence[DecodingRequest]) -> l
         budget.observe(running, drafts, time.perf_counter() - started)
         for request, draft, logits in zip(running, drafts, outputs):
             request.accept(draft, logits)
-    return [request.result() for request in requests]
+    results = [request.result() for request in requests]
+    errors = budget.cost.prediction_errors(after=CALIBRATION_STEPS) if budget.cost is not None else None
+    if errors is not None:  # the batch's, reported with each of its requests
+        for result in results:
+            result.extra["step_error_table"], result.extra["step_error_online"] = errors
+    return results
 
 
 def plan_together(model: SublayerModel, requests: Sequence[DecodingRequest], budget: DraftBudget) -> None:

@@ -88,20 +88,32 @@ class StepCost:
 class OnlineStepCost:
     """The step cost fitted to the steps the engine timed, starting from a table's."""
 
-    def __init__(
-        self, prior: StepCost, window: int = DEFAULT_WINDOW, half_life: float = DEFAULT_HALF_LIFE
-    ) -> None:
+    def __init__(self, prior: StepCost, window: int = DEFAULT_WINDOW, half_life: float = DEFAULT_HALF_LIFE) -> None:
         self.prior = prior
         self._steps: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
         self._half_life = half_life
         self._fitted = prior
         self._unfitted = 0  # steps observed since the last fit
+        # Per timed step: the relative error of the table's prediction and of the fit's, made
+        # before the step was seen (what a plan made then would have assumed).
+        self.errors: list[tuple[float, float]] = []
 
     def observe(self, contexts: Sequence[int], rows: Sequence[int], padded: bool, seconds: float) -> None:
         """One timed step (without a prefill chunk: its rows cost by other rules)."""
         if math.isfinite(seconds) and seconds > 0:
+            table = self.prior.seconds(contexts, rows, padded)
+            fitted = self.current().seconds(contexts, rows, padded)
+            self.errors.append((abs(table - seconds) / seconds, abs(fitted - seconds) / seconds))
             self._steps.append((StepCost.features(contexts, rows, padded), seconds))
             self._unfitted += 1
+
+    def prediction_errors(self, after: int = 0) -> tuple[float, float] | None:
+        """Mean relative error of the table's and of the fit's step predictions over the steps
+        past the first `after` (None before any)."""
+        seen = self.errors[after:]
+        if not seen:
+            return None
+        return sum(t for t, _ in seen) / len(seen), sum(f for _, f in seen) / len(seen)
 
     @property
     def num_steps(self) -> int:

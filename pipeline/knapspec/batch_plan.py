@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,8 +50,10 @@ logger = logging.getLogger(__name__)
 # Requests whose reference tokens a batch search reads, and the fewest tokens from each: the
 # DP's rows grow with the tokens, and a handful from each of eight requests tell more about
 # the batch than many from one.
-MAX_SAMPLED_REQUESTS = 8
+MAX_SAMPLED_REQUESTS = 4
 MIN_TOKENS_PER_REQUEST = 2
+# Batch steps timed before the first batch search.
+MIN_TIMED_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,19 @@ def search_batch_candidates(
     return out
 
 
+@dataclass(frozen=True)
+class BatchChoice:
+    """A batch's plan (its TPTs per request, as a single request's plan has them), the batch's
+    predicted tokens per second under it and under plain decoding, and the best drafting plan
+    found (chosen or not: what it would have gained is the reason for an AR verdict)."""
+
+    plan: DraftPlan
+    tpt: float
+    ar_tpt: float
+    best_draft: DraftPlan | None = None
+    best_draft_tpt: float = 0.0
+
+
 def choose_batch_plan(
     candidates: Sequence[BatchCandidate],
     latency: BatchLatency,
@@ -114,10 +131,9 @@ def choose_batch_plan(
     padded: bool,
     max_draft: int,
     margin: float,
-) -> tuple[DraftPlan, float, float]:
+) -> BatchChoice:
     """The (candidate, γ) with the most tokens per second for the batch, or AR unless it wins
-    by `margin`. Returns the plan (its TPTs per request, as a single request's plan has them),
-    the batch's predicted tokens per second and plain decoding's."""
+    by `margin`."""
     num = len(contexts)
     ar_step = latency.t_step((), BatchShape.decoding(contexts, 1, padded))
     ar_tpt = num / ar_step
@@ -133,9 +149,10 @@ def choose_batch_plan(
             tpt = tokens / (gamma * t_draft + t_verify)
             if best is None or tpt > best[0]:
                 best = (tpt, DraftPlan(candidate.skip, gamma, mean_alpha, tpt / num, ar_tpt / num))
-    if best is not None and best[0] > ar_tpt * (1.0 + margin):
-        return best[1], best[0], ar_tpt
-    return DraftPlan(None, 0, 0.0, ar_tpt / num, ar_tpt / num), ar_tpt, ar_tpt
+    best_tpt, best_plan = best if best is not None else (0.0, None)
+    if best_plan is not None and best_tpt > ar_tpt * (1.0 + margin):
+        return BatchChoice(best_plan, best_tpt, ar_tpt, best_plan, best_tpt)
+    return BatchChoice(DraftPlan(None, 0, 0.0, ar_tpt / num, ar_tpt / num), ar_tpt, ar_tpt, best_plan, best_tpt)
 
 
 def optimistic_batch_tpt(latency: BatchLatency, weights: Sequence[int], contexts, padded, max_draft, alpha) -> float:
@@ -172,9 +189,13 @@ class BatchPlanner:
         self._weights: tuple[int, ...] | None = None
         self._steps = 0
         self._members: set[int] = set()  # ids of the drafters that hold the current plan
+        self._warmup: DraftPlan | None = None  # plain decoding while the first steps are timed
         # What the searches chose and predicted, for the benchmark's report.
         self.searches: list[dict] = []
         self.num_postponed = 0
+        # Measured / predicted seconds of this planner's searches (a batch search has more calls
+        # per row than a request's: the single-request correction does not carry over).
+        self._cost_ratios: deque[float] = deque(maxlen=16)
 
     # ------------------------------------------------------------ per step
 
@@ -194,6 +215,14 @@ class BatchPlanner:
         weights = tuple(batch.item_weights(BatchShape.decoding(contexts, 1, padded), self.config.weight_cap))
         self._steps += 1
         searched = False
+        if cost is not None and cost.num_steps < MIN_TIMED_STEPS:
+            # The table alone can be far off for a batch (a busy machine, a pooled attention it never
+            # timed): a few plain steps first, for the online fit to start from.
+            if self._warmup is None:
+                self._warmup = self._plain(batch, contexts, padded)
+            for r, drafter in zip(requests, drafters):
+                drafter.adopt(self._warmup, model, r.cache.length, searched=False)
+            return
         if (
             self.plan is None
             or weights != self._weights
@@ -203,13 +232,20 @@ class BatchPlanner:
             searched = plan is not None
             if plan is None:  # no time for a search now: plain decoding until the next check
                 self.num_postponed += 1
-                ar_tpt = 1.0 / batch.t_step((), BatchShape.decoding(contexts, 1, padded))
-                plan = DraftPlan(None, 0, 0.0, ar_tpt, ar_tpt)
+                plan = self._plain(batch, contexts, padded)
             self.plan, self._weights, self._steps = plan, weights, 0
             self._members.clear()
+        self._adopt_all(model, requests, drafters, self.plan, searched)
+
+    def _adopt_all(self, model, requests, drafters, plan: DraftPlan, searched: bool) -> None:
         for r, drafter in zip(requests, drafters):
-            drafter.adopt(self.plan, model, r.cache.length, searched=searched or id(drafter) not in self._members)
+            drafter.adopt(plan, model, r.cache.length, searched=searched or id(drafter) not in self._members)
             self._members.add(id(drafter))
+
+    @staticmethod
+    def _plain(batch: BatchLatency, contexts, padded) -> DraftPlan:
+        ar_tpt = 1.0 / batch.t_step((), BatchShape.decoding(contexts, 1, padded))
+        return DraftPlan(None, 0, 0.0, ar_tpt, ar_tpt)
 
     # ------------------------------------------------------------ planning
 
@@ -228,12 +264,13 @@ class BatchPlanner:
         ar_tpt = len(contexts) / batch.t_step((), BatchShape.decoding(contexts, 1, padded))
         if bound <= ar_tpt * (1.0 + config.margin):
             plan = DraftPlan(None, 0, 0.0, ar_tpt / len(contexts), ar_tpt / len(contexts))
-            self._record(plan, weights, contexts, ar_tpt, ar_tpt, time.perf_counter() - t0, requests, searched=False)
+            choice = BatchChoice(plan, ar_tpt, ar_tpt, best_draft_tpt=bound)
+            self._record(choice, weights, contexts, time.perf_counter() - t0, requests, searched=False)
             return plan
         spans, sampled = self._spans(model, requests)
         if not spans:
             return None
-        branches = self._branches(batch, contexts, padded, sum(s.ids.numel() for s in spans), requests)
+        branches = self._branches(batch, contexts, padded, spans, requests)
         if branches == 0:
             return None
         problem = self._problem(weights, model.spec.num_layers, branches)
@@ -251,13 +288,13 @@ class BatchPlanner:
             mean = sum(alphas) / len(alphas)
             by_request = dict(zip(sampled, alphas))
             scored.append(BatchCandidate(skip, tuple(by_request.get(i, mean) for i in range(len(requests)))))
-        plan, tpt, ar = choose_batch_plan(scored, batch, contexts, padded, config.max_draft, config.margin)
+        choice = choose_batch_plan(scored, batch, contexts, padded, config.max_draft, config.margin)
         seconds = time.perf_counter() - t0
-        estimate = self.latency.t_search(branches * sum(s.ids.numel() for s in spans), _mean(contexts))
+        estimate = self.search_cost(branches, spans)
         if estimate > 0:
-            self.history.search_cost_ratios.append(seconds / estimate)
-        self._record(plan, weights, contexts, tpt, ar, seconds, requests, searched=True)
-        return plan
+            self._cost_ratios.append(seconds / estimate)
+        self._record(choice, weights, contexts, seconds, requests, searched=True)
+        return choice.plan
 
     def _spans(self, model, requests) -> tuple[list[ReferenceSpan], list[int]]:
         """A few committed tokens of up to MAX_SAMPLED_REQUESTS requests (those with the longest
@@ -275,7 +312,13 @@ class BatchPlanner:
             sampled.append(i)
         return spans, sampled
 
-    def _branches(self, batch: BatchLatency, contexts, padded, tokens: int, requests) -> int | None:
+    def search_cost(self, branches: int, spans: Sequence[ReferenceSpan]) -> float:
+        """Seconds of a batch search as the table predicts it: each span's as a request's own
+        search at its context (its attention items run span by span; a bound from above for the
+        MLP items, which run once for all), before the correction by what searches took."""
+        return sum(self.latency.t_search(branches * span.ids.numel(), span.start) for span in spans)
+
+    def _branches(self, batch: BatchLatency, contexts, padded, spans, requests) -> int | None:
         """The branch cap that keeps the search within its share of the batch's decode time until
         the next search (KnapSpecDrafter.search_branches, for a batch)."""
         cap, share = self.config.max_branches, self.config.max_search_share
@@ -284,12 +327,12 @@ class BatchPlanner:
         steps_left = max(r.config.max_new_tokens - len(r.output) for r in requests)
         steps = min(search_interval(self.config, self.history, self._weights), max(steps_left, 1))
         budget = share * steps * batch.t_step((), BatchShape.decoding(contexts, 1, padded))
-        scale = self.history.search_cost_scale()
+        scale = statistics.median(self._cost_ratios) if self._cost_ratios else 1.0
         most = (
             cap if cap is not None else sum(self.latency.item_weights(_mean(contexts), self.config.weight_cap)) // 2 + 1
         )
         for branches in range(most, 0, -1):
-            if self.latency.t_search(branches * tokens, _mean(contexts)) * scale <= budget:
+            if self.search_cost(branches, spans) * scale <= budget:
                 return branches
         return 0
 
@@ -302,7 +345,8 @@ class BatchPlanner:
             always = default_always_execute(num_layers)
         return KnapsackProblem(weights, sum(weights) // 2, config.threshold, always, branches)
 
-    def _record(self, plan, weights, contexts, tpt, ar_tpt, seconds, requests, searched: bool) -> None:
+    def _record(self, choice: BatchChoice, weights, contexts, seconds, requests, searched: bool) -> None:
+        plan = choice.plan
         self.history.record(weights, plan.use_ar)
         share = seconds / len(requests)
         for r in requests:  # the search is every member's: each carries its share of the time
@@ -316,8 +360,12 @@ class BatchPlanner:
                 "skipped_attn": attn,
                 "skipped_mlp": mlp,
                 "gamma": plan.gamma,
-                "predicted_tpt": tpt,
-                "ar_tpt": ar_tpt,
+                "predicted_tpt": choice.tpt,
+                "ar_tpt": choice.ar_tpt,
+                # Without a search: the optimistic bound (every reference token matched).
+                "best_draft_tpt": choice.best_draft_tpt,
+                "best_draft_alpha": choice.best_draft.alpha if choice.best_draft else None,
+                "best_draft_skipped": len(choice.best_draft.skip) if choice.best_draft else None,
                 "seconds": seconds,
             }
         )
@@ -326,8 +374,8 @@ class BatchPlanner:
             len(contexts),
             sum(contexts),
             "AR" if plan.use_ar else f"skip {attn} attention + {mlp} MLP items, γ={plan.gamma}",
-            tpt,
-            ar_tpt,
+            choice.tpt,
+            choice.ar_tpt,
         )
 
 

@@ -105,9 +105,11 @@ class KnapSpecLookupDrafter:
             )
             draft = Draft(draft.token_ids[:gamma], None if draft.probs is None else draft.probs[:gamma])
             draft.survival = self.survival(gamma)  # a batch may verify less of it (batch_drafts.py)
+            # Against the layer plan's gain over plain decoding: a batch's plan predicts the batch's
+            # rate, in other units than this request's copy alone (knapspec/batch_plan.py).
             plan = self.knapspec.plan
-            tpt_layers = plan.predicted_tpt if plan is not None else 1.0 / self.latency.t_verify(1, context)
-            if tpt_lookup >= tpt_layers:
+            gain_layers = plan.predicted_tpt / plan.ar_tpt if plan is not None and plan.ar_tpt > 0 else 1.0
+            if tpt_lookup >= gain_layers / self.latency.t_verify(1, context):
                 self._used_lookup = True
                 self._proposed = (len(request.token_ids), draft.token_ids)
                 return draft

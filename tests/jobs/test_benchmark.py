@@ -108,14 +108,19 @@ def test_benchmark_across_batch_sizes(tmp_path):
     benchmark = load_job("benchmark.py", "benchmark_script")
     code = benchmark.main(
         [
-            "--ids", "gao-26-109008", "--context-lengths", "150", "--max-new-tokens", "6", "--repeats", "1",
-            "--strategies", "ar:fp16w,lookup:fp16w,hf:fp16w", "--batch-sizes", "1,3", "--output", str(tmp_path),
+            "--ids", "gao-26-109008", "--context-lengths", "150", "--max-new-tokens", "24", "--repeats", "1",
+            "--strategies", "ar:fp16w,lookup:fp16w,hf:fp16w,knapspec:fp16w", "--batch-sizes", "1,3",
+            "--output", str(tmp_path),
         ]
     )  # fmt: skip
     assert code == 0
     out = json.loads((tmp_path / "benchmark.json").read_text())
     records = {(r["strategy"], r["batch_size"]): r for r in out["records"]}
-    assert set(records) == {(name, size) for name in ("ar", "lookup", "hf") for size in (1, 3)}
+    assert set(records) == {(name, size) for name in ("ar", "lookup", "hf", "knapspec") for size in (1, 3)}
+    # KnapSpec in a batch plans for the batch: its planner decided, and the step time was predicted.
+    planned = records[("knapspec", 3)]
+    assert planned["batch_searches"] >= 1 and planned["step_error_online"] is not None
+    assert records[("knapspec", 1)]["batch_searches"] is None
     assert records[("ar", 3)]["speedup_vs_ar"] == pytest.approx(1.0)
     assert records[("ar", 1)]["speedup_vs_batch1"] == pytest.approx(1.0)
     assert records[("ar", 3)]["speedup_vs_batch1"] > 0
