@@ -93,6 +93,7 @@ class Record:
     batch_searches: int | None = None
     best_draft_gain: float | None = None  # of the searches that ran the DP
     draft_bound_gain: float | None = None  # of those the optimistic bound spared (every token matched)
+    best_draft_alpha: float | None = None  # the best drafting plan's mean acceptance estimate
 
     @property
     def measured_tpt(self) -> float:
@@ -283,10 +284,18 @@ def batch_record(
         step_error_online=_median_extra(results, "step_error_online"),
         batch_searches=sum(len(run.searches) for run in runs) // len(runs) if size > 1 else None,
         best_draft_gain=_median_of(
-            [s["best_draft_tpt"] / s["ar_tpt"] for run in runs for s in run.searches if s["searched"]]
+            [
+                s["best_draft_tpt"] / s["ar_tpt"]
+                for run in runs
+                for s in run.searches
+                if s["searched"] and s["best_draft_alpha"] is not None  # a candidate passed τ
+            ]
         ),
         draft_bound_gain=_median_of(
             [s["best_draft_tpt"] / s["ar_tpt"] for run in runs for s in run.searches if not s["searched"]]
+        ),
+        best_draft_alpha=_median_of(
+            [s["best_draft_alpha"] for run in runs for s in run.searches if s["best_draft_alpha"] is not None]
         ),
     )
 
@@ -575,16 +584,16 @@ def format_batch_plans(records: list[Record]) -> str:
         "spared it), its predicted vs measured tokens/s, the search's share of decode, and the mean error of "
         "the step time predicted before each step by the latency table and by the online fit:",
         "",
-        "| doc | context | strategy | batch | searches | attn skipped | MLP skipped | best draft / AR | bound / AR "
-        "| predicted tok/s | measured tok/s | search share | step error, table | step error, online |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| doc | context | strategy | batch | searches | attn skipped | MLP skipped | best draft / AR | its α "
+        "| bound / AR | predicted tok/s | measured tok/s | search share | step error, table | step error, online |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in sorted(rows, key=lambda r: (r.doc_id, r.context_tokens, r.strategy, r.batch_size)):
         predicted = r.predicted_tpt * r.batch_size if r.predicted_tpt is not None else None
         lines.append(
             f"| {r.doc_id} | {r.context_tokens} | {r.strategy} | {r.batch_size} | {r.batch_searches} "
             f"| {cell(r.skipped_attn, '.1f')} | {cell(r.skipped_mlp, '.1f')} | {cell(r.best_draft_gain, '.2f')} "
-            f"| {cell(r.draft_bound_gain, '.2f')} | {cell(predicted, '.1f')} | {r.tokens_per_s:.1f} "
+            f"| {cell(r.best_draft_alpha, '.2f')} | {cell(r.draft_bound_gain, '.2f')} | {cell(predicted, '.1f')} | {r.tokens_per_s:.1f} "
             f"| {cell(r.dp_overhead_frac, '.1%')} | {cell(r.step_error_table, '.0%')} "
             f"| {cell(r.step_error_online, '.0%')} |"
         )
@@ -720,19 +729,7 @@ def plot(records: list[Record], forced: list[dict], reference: tuple[str, str], 
     axes[0].set(xlabel="context tokens", ylabel=f"decode speed / {reference[0]}:{reference[1]}", title="Speed-up")
     axes[0].legend(fontsize=7)
     for strategy, points in sorted(skipped.items()):
-        xs = sorted(points)
-        # One colour per strategy: attention solid, MLP dashed.
-        line = axes[1].plot(
-            xs, [statistics.mean(a for a, _ in points[x]) for x in xs], marker="o", label=f"{strategy} attn"
-        )[0]
-        axes[1].plot(
-            xs,
-            [statistics.mean(m for _, m in points[x]) for x in xs],
-            marker="x",
-            linestyle="--",
-            color=line.get_color(),
-            label=f"{strategy} MLP",
-        )
+        _plot_skipped(axes[1], points, strategy)
     axes[1].set(xlabel="context tokens", ylabel="items skipped (speculating plans)", title="What the draft skips")
     axes[1].legend(fontsize=7)
     if forced:
@@ -765,18 +762,7 @@ def plot(records: list[Record], forced: list[dict], reference: tuple[str, str], 
     axes[3].minorticks_off()
     axes[3].legend(fontsize=6)
     for (strategy, length), points in sorted(batch_skipped.items()):
-        xs = sorted(points)
-        line = axes[4].plot(
-            xs, [statistics.mean(a for a, _ in points[x]) for x in xs], marker="o", label=f"{strategy} ~{length:,} attn"
-        )[0]
-        axes[4].plot(
-            xs,
-            [statistics.mean(m for _, m in points[x]) for x in xs],
-            marker="x",
-            linestyle="--",
-            color=line.get_color(),
-            label=f"{strategy} ~{length:,} MLP",
-        )
+        _plot_skipped(axes[4], points, f"{strategy} ~{length:,}")
     axes[4].set(xlabel="batch size", ylabel="items skipped (speculating plans)", title="Skipped vs batch", xscale="log")
     axes[4].set_xticks(sizes, [str(size) for size in sizes])
     axes[4].minorticks_off()
@@ -784,6 +770,20 @@ def plot(records: list[Record], forced: list[dict], reference: tuple[str, str], 
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_skipped(axis, points: dict[int, list[tuple[float, float]]], label: str) -> None:
+    """Mean attention and MLP items skipped at each x, in one colour: attention solid, MLP dashed."""
+    xs = sorted(points)
+    line = axis.plot(xs, [statistics.mean(a for a, _ in points[x]) for x in xs], marker="o", label=f"{label} attn")[0]
+    axis.plot(
+        xs,
+        [statistics.mean(m for _, m in points[x]) for x in xs],
+        marker="x",
+        linestyle="--",
+        color=line.get_color(),
+        label=f"{label} MLP",
+    )
 
 
 def _median_of(values: list[float]) -> float | None:

@@ -4,6 +4,7 @@ statistical checks, and small helpers that several rooms' tests share."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -231,6 +232,26 @@ def load_job(script: str, module_name: str):
     sys.modules[module_name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def brute_force(values, weights, budget, always_execute=()):
+    """For each exact skipped weight j <= budget, the most value kept (sum over executed items)."""
+    skippable = [i for i in range(len(values)) if i not in always_execute]
+    best: dict[int, float] = {}
+    for size in range(len(skippable) + 1):
+        for subset in itertools.combinations(skippable, size):
+            weight = sum(weights[i] for i in subset)
+            if weight <= budget:
+                kept = sum(values) - sum(values[i] for i in subset)
+                best[weight] = max(best.get(weight, float("-inf")), kept)
+    return best
+
+
+def random_knapsack(seed: int, num_items: int) -> tuple[list[float], tuple[int, ...]]:
+    """Item magnitudes in [0.1, 2.1) and integer weights in 1..3: a small random knapsack."""
+    g = torch.Generator().manual_seed(seed)
+    magnitudes = (torch.rand(num_items, generator=g) * 2 + 0.1).tolist()
+    return magnitudes, tuple(int(w) for w in torch.randint(1, 4, (num_items,), generator=g))
 
 
 def random_prompt(seed: int, length: int = 48) -> torch.Tensor:

@@ -28,8 +28,14 @@ from pipeline.knapspec.hybrid import KnapSpecLookupDrafter
 from pipeline.knapspec.knapsack import KnapsackProblem, run_dp
 from pipeline.knapspec.latency import LatencyModel
 from pipeline.model import items
-from tests.builders import SEARCH_CONFIG, assert_same_or_near_tie, load_tiny, repeating_prompt
-from tests.knapspec.test_knapsack import brute_force
+from tests.builders import (
+    SEARCH_CONFIG,
+    assert_same_or_near_tie,
+    brute_force,
+    load_tiny,
+    random_knapsack,
+    repeating_prompt,
+)
 
 MS = 1e-3
 EOS = frozenset({2})
@@ -136,10 +142,8 @@ class SpanModel:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_pooled_dp_equals_brute_force_where_the_objective_decomposes(seed):
-    g = torch.Generator().manual_seed(seed)
     num_items = 8
-    magnitudes = (torch.rand(num_items, generator=g) * 2 + 0.1).tolist()
-    weights = tuple(int(w) for w in torch.randint(1, 4, (num_items,), generator=g))
+    magnitudes, weights = random_knapsack(seed, num_items)
     model = SpanModel(magnitudes)
     spans = [ReferenceSpan("cache-a", torch.zeros(2), 10), ReferenceSpan("cache-b", torch.zeros(3), 40)]
     start = torch.zeros(5, num_items + 1)

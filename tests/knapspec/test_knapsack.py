@@ -3,27 +3,12 @@ budgets, pruning, and the batched branch runner it drives on a real model."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
 from pipeline.errors import ConfigError
 from pipeline.knapspec.knapsack import Frontier, KnapsackProblem, advance, default_always_execute, run_dp
-from tests.builders import load_tiny
-
-
-def brute_force(values, weights, budget, always_execute=()):
-    """For each exact skipped weight j <= budget, the most value kept (sum over executed items)."""
-    skippable = [i for i in range(len(values)) if i not in always_execute]
-    best: dict[int, float] = {}
-    for size in range(len(skippable) + 1):
-        for subset in itertools.combinations(skippable, size):
-            weight = sum(weights[i] for i in subset)
-            if weight <= budget:
-                kept = sum(values) - sum(values[i] for i in subset)
-                best[weight] = max(best.get(weight, float("-inf")), kept)
-    return best
+from tests.builders import brute_force, load_tiny, random_knapsack
 
 
 def orthogonal_items(magnitudes):
@@ -49,10 +34,8 @@ def orthogonal_items(magnitudes):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_dp_equals_brute_force_on_additive_items(seed):
-    g = torch.Generator().manual_seed(seed)
     num_items = 8
-    magnitudes = (torch.rand(num_items, generator=g) * 2 + 0.1).tolist()
-    weights = tuple(int(w) for w in torch.randint(1, 4, (num_items,), generator=g))
+    magnitudes, weights = random_knapsack(seed, num_items)
     budget = sum(weights) // 2
     always = frozenset({0, num_items - 1}) if seed % 2 else frozenset()
     problem = KnapsackProblem(weights=weights, budget=budget, threshold=-1.0, always_execute=always)
