@@ -30,6 +30,7 @@ DEFAULT_HALF_LIFE = 32.0
 # The table's weight in the fit, in steps' worth: a step outvotes it.
 PRIOR_STEPS = 0.25
 REFIT_EVERY = 4
+ERRORS_KEPT = 4096
 # Relative errors beyond this weigh less (Huber); beyond STALL, none in the final fit.
 HUBER_DELTA = 0.1
 STALL = 0.5
@@ -95,8 +96,10 @@ class OnlineStepCost:
         self._fitted = prior
         self._unfitted = 0  # steps observed since the last fit
         # Per timed step: the relative error of the table's prediction and of the fit's, made
-        # before the step was seen (what a plan made then would have assumed).
-        self.errors: list[tuple[float, float]] = []
+        # before the step was seen (what a plan made then would have assumed); the last
+        # ERRORS_KEPT of them, a replica's batcher living as long as its job.
+        self.errors: deque[tuple[float, float]] = deque(maxlen=ERRORS_KEPT)
+        self.num_observed = 0
 
     def observe(self, contexts: Sequence[int], rows: Sequence[int], padded: bool, seconds: float) -> None:
         """One timed step (without a prefill chunk: its rows cost by other rules)."""
@@ -104,13 +107,15 @@ class OnlineStepCost:
             table = self.prior.seconds(contexts, rows, padded)
             fitted = self.current().seconds(contexts, rows, padded)
             self.errors.append((abs(table - seconds) / seconds, abs(fitted - seconds) / seconds))
+            self.num_observed += 1
             self._steps.append((StepCost.features(contexts, rows, padded), seconds))
             self._unfitted += 1
 
     def prediction_errors(self, after: int = 0) -> tuple[float, float] | None:
         """Mean relative error of the table's and of the fit's step predictions over the steps
-        past the first `after` (None before any)."""
-        seen = self.errors[after:]
+        past the first `after` of all observed (of those still kept; None before any)."""
+        dropped = self.num_observed - len(self.errors)
+        seen = list(self.errors)[max(after - dropped, 0) :]
         if not seen:
             return None
         return sum(t for t, _ in seen) / len(seen), sum(f for _, f in seen) / len(seen)

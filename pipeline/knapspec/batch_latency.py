@@ -50,14 +50,6 @@ class BatchShape:
         """Every request runs `rows` rows: 1 to decode or draft, γ + 1 to verify."""
         return cls(tuple(contexts), (rows,) * len(contexts), padded)
 
-    @property
-    def num_requests(self) -> int:
-        return len(self.contexts)
-
-    @property
-    def num_rows(self) -> int:
-        return sum(self.rows)
-
 
 @dataclass(frozen=True)
 class ItemCosts:

@@ -38,6 +38,7 @@ from pipeline.knapspec.knapsack import (
     RunsKnapsack,
     branch_runner,
     default_always_execute,
+    most_saved,
     run_dp,
 )
 from pipeline.knapspec.latency import LatencyModel
@@ -137,6 +138,9 @@ def choose_batch_plan(
     num = len(contexts)
     ar_step = latency.t_step((), BatchShape.decoding(contexts, 1, padded))
     ar_tpt = num / ar_step
+    t_verify_of = [
+        latency.t_step((), BatchShape.decoding(contexts, gamma + 1, padded)) for gamma in range(max_draft + 1)
+    ]
     best: tuple[float, DraftPlan] | None = None
     for candidate in candidates:
         if not candidate.skip:
@@ -144,7 +148,7 @@ def choose_batch_plan(
         t_draft = latency.t_step(candidate.skip, BatchShape.decoding(contexts, 1, padded))
         mean_alpha = sum(candidate.alphas) / len(candidate.alphas)
         for gamma in range(1, max_draft + 1):
-            t_verify = latency.t_step((), BatchShape.decoding(contexts, gamma + 1, padded))
+            t_verify = t_verify_of[gamma]
             tokens = sum(expected_tokens(alpha, gamma) for alpha in candidate.alphas)
             tpt = tokens / (gamma * t_draft + t_verify)
             if best is None or tpt > best[0]:
@@ -163,14 +167,7 @@ def optimistic_batch_tpt(latency: BatchLatency, weights: Sequence[int], contexts
     always = default_always_execute(latency.num_layers)
     skippable = [i for i in range(len(weights)) if i not in always]
     cost_of = [costs.attention if items.is_attention(i) else costs.mlp for i in range(len(weights))]
-    budget, saved = sum(weights) // 2, 0.0
-    for i in sorted(skippable, key=lambda i: cost_of[i] / weights[i], reverse=True):
-        take = min(1.0, budget / weights[i])
-        saved += take * cost_of[i]
-        budget -= take * weights[i]
-        if budget <= 0:
-            break
-    t_draft = latency.t_step((), shape) - saved
+    t_draft = latency.t_step((), shape) - most_saved(cost_of, weights, skippable, sum(weights) // 2)
     best = 0.0
     for gamma in range(1, max_draft + 1):
         t_verify = latency.t_step((), BatchShape.decoding(contexts, gamma + 1, padded))

@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from pipeline.decoding.drafters import DraftRequest
-from pipeline.knapspec.knapsack import KnapsackProblem, default_always_execute, run_knapsack
+from pipeline.knapspec.knapsack import KnapsackProblem, default_always_execute, most_saved, run_knapsack
 from pipeline.knapspec.replanning import KnapSpecConfig, ReplanningDrafter, top1_tokens
 from pipeline.knapspec.tpt import DraftPlan, ScoredCandidate, choose_plan, smoothed_alpha
 from pipeline.model import items
@@ -77,18 +77,9 @@ class KnapSpecDrafter(ReplanningDrafter):
         draft cost less the most time a budget of half the weight can save (fractional knapsack)."""
         config = self.config
         always = default_always_execute(num_layers)
-        items = sorted(
-            (i for i in range(len(weights)) if i not in always),
-            key=lambda i: self.latency.t_item(i, context) / weights[i],
-            reverse=True,
-        )
-        budget, saved = sum(weights) // 2, 0.0
-        for i in items:
-            take = min(1.0, budget / weights[i])
-            saved += take * self.latency.t_item(i, context)
-            budget -= take * weights[i]
-            if budget <= 0:
-                break
+        items = [i for i in range(len(weights)) if i not in always]
+        costs = [self.latency.t_item(i, context) for i in range(len(weights))]
+        saved = most_saved(costs, weights, items, sum(weights) // 2)
         r = config.num_reference_tokens
         alpha = smoothed_alpha(r, r, 0, 0, config.prior_mean, config.prior_strength)
         return ScoredCandidate(frozenset(items), alpha, self.latency.t_forward(context) - saved)
