@@ -218,7 +218,27 @@ def format_table(calibration: Calibration) -> str:
         "| ratio | " + " | ".join(f"{r:.2f}" for r in lat.verify_ratios) + " |",
         "| ms | " + " | ".join(f"{t * ms:.1f}" for t in calibration.t_verify_measured) + " |",
     ]
+    if calibration.correction is not None:
+        lines += ["", *_correction_lines(calibration)]
     return "\n".join(lines)
+
+
+def _correction_lines(calibration: Calibration) -> list[str]:
+    """The measured table beside the one engines plan from: corrected by their timed steps."""
+    measured, corrected, c = calibration.latency, calibration.corrected_latency, calibration.correction
+    n, widest = calibration.reference_context, measured.max_verify
+    return [
+        f"Corrected by the fit of {c.steps} timed batch steps ({c.updated_at}); engines plan from the corrected table "
+        "(`--force` measures afresh):",
+        "",
+        "| quantity | measured | corrected |",
+        "|---|---|---|",
+        f"| t_forward({n}) | {measured.t_forward(n) * 1e3:.2f} ms | {corrected.t_forward(n) * 1e3:.2f} ms |",
+        f"| attention slope a | {measured.attn_slope * 1e6:.4f} µs/token | {corrected.attn_slope * 1e6:.4f} µs/token |",
+        f"| verify ratio, k = {widest} | {measured.verify_ratios[-1]:.2f} | {corrected.verify_ratios[-1]:.2f} |",
+        f"| weights attn / MLP at {n} | {' / '.join(map(str, measured.item_weights(n)[:2]))} "
+        f"| {' / '.join(map(str, corrected.item_weights(n)[:2]))} |",
+    ]
 
 
 def _ratio(a: float, b: float) -> str:

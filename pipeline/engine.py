@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.decoding.batch_drafts import DeviceStepCost
 from pipeline.decoding.drafters import DEFAULT_MAX_DRAFT, Drafter, LayerSkipDrafter, NoDraft, default_static_skip
 from pipeline.decoding.hf_reference import HFRun, prepare_hf_model, run_hf_generate, run_hf_generate_batch
 from pipeline.decoding.loop import DecodeConfig, GenerationResult, Prefilled, decode, prefill
@@ -21,6 +22,7 @@ from pipeline.decoding.prompt_lookup import DEFAULT_LOOKUP_MAX_DRAFT, DEFAULT_MA
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest
 from pipeline.decoding.stats import GenerationStats
+from pipeline.decoding.step_cost import StepCost
 from pipeline.errors import ConfigError
 from pipeline.knapspec.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter
 from pipeline.knapspec.batch_plan import BatchPlanner
@@ -36,7 +38,9 @@ logger = logging.getLogger(__name__)
 
 # (model, model name, force) -> the model's latency table on this device; `force` re-measures.
 # Built by whoever owns calibration (profiling.calibration.store_calibrator): the engine
-# only asks for a table when a searching strategy first needs one.
+# only asks for a table when a searching strategy first needs one. A calibrator may also
+# `record(model, model name, step cost, steps)`: the fit of the engine's timed batch steps,
+# kept with the table for the next engine (StoreCalibrator does).
 Calibrator = Callable[[SublayerModel, str, bool], LatencyModel]
 
 
@@ -172,6 +176,8 @@ class Engine:
         # Per strategy: what earlier requests' searches concluded on this model and device.
         self._search_history = {name: SearchHistory() for name in SEARCHING_STRATEGIES}
         self._batch_planners: dict[tuple[str, KnapSpecConfig], BatchPlanner] = {}
+        self._calibrated = False  # the latency table came from the calibrator (its corrections are ours to record)
+        self._step_cost = DeviceStepCost(self._record_step_cost)
         logger.info("Loaded %s (%d layers) in %s mode", self.path.name, self.model.spec.num_layers, self.mode.value)
 
     @property
@@ -203,7 +209,19 @@ class Engine:
             # A sharded model is timed by its stages, on their devices (PipelineModel.calibrate).
             raise ConfigError("this engine's model runs elsewhere: pass its latency model in EngineConfig(latency=...)")
         self._latency = self._calibrator(self.model, self.name, force)
+        self._calibrated = True
+        self._step_cost = DeviceStepCost(self._record_step_cost)  # a new table: fit from it afresh
         return self._latency
+
+    def _record_step_cost(self, cost: StepCost, steps: int) -> None:
+        record = getattr(self._calibrator, "record", None)
+        if record is None or not self._calibrated:
+            return  # a table given in the config: the store holds nothing of it to correct
+        try:
+            if record(self.model, self.name, cost, steps):
+                logger.info("kept the fit of %d timed steps with this device's latency table", steps)
+        except OSError as e:
+            logger.warning("could not keep the step-cost fit with the latency table: %s", e)
 
     def search_history(self, strategy: str) -> SearchHistory:
         """What earlier requests of `strategy` on this engine concluded (shared by its drafters)."""
@@ -245,8 +263,16 @@ class Engine:
         return GenerationRequest(prompt_ids, config, params, self.drafter(strategy))
 
     def batcher(self, max_batch: int) -> ContinuousBatcher:
-        """A continuous batcher over this engine's model (`submit` the engine's `request`s)."""
-        return ContinuousBatcher(self.model, max_batch, self.config.kv_cache_bytes)
+        """A continuous batcher over this engine's model (`submit` the engine's `request`s). A
+        whole model's batchers run one at a time and share one fit of the device's step cost; a
+        pipelined replica's lanes step concurrently and fit their own."""
+        budget = self._step_cost.budget() if isinstance(self.model, SublayerModel) else None
+        return ContinuousBatcher(self.model, max_batch, self.config.kv_cache_bytes, budget=budget)
+
+    @property
+    def step_cost(self) -> DeviceStepCost:
+        """The fit of this device's step cost that the engine's batchers share."""
+        return self._step_cost
 
     def generate_batch(
         self,
@@ -266,6 +292,7 @@ class Engine:
         batcher = self.batcher(max_batch)
         tickets = [batcher.submit(self.request(p, strategy, max_new_tokens, q)) for p, q in zip(prompts, per_request)]
         done = {finished.ticket: finished for finished in batcher.run()}
+        self._step_cost.flush()
         for ticket in tickets:
             if done[ticket].error is not None:
                 raise done[ticket].error

@@ -1,21 +1,24 @@
 """The calibration store: one JSON file per calibration key under the cache directory, so
 every worker on a node reuses one measurement instead of repeating it; and the engine's
 calibrator over it. A calibration missing from the store is measured (profiling/microbench.py).
+What an engine's timed steps teach is written back beside the measured table (`record`),
+and the next engine on the device plans from the corrected table.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.knapspec.latency import LatencyModel
 from pipeline.model import checkpoint
 from profiling import microbench
-from profiling.record import DEFAULT_LAYOUT, Calibration, CalibrationFormatError, CalibrationKey
+from profiling.record import DEFAULT_LAYOUT, Calibration, CalibrationFormatError, CalibrationKey, StepCostCorrection
 
 if TYPE_CHECKING:
+    from pipeline.decoding.step_cost import StepCost
     from pipeline.model.sublayer_model import SublayerModel
 
 logger = logging.getLogger(__name__)
@@ -83,12 +86,46 @@ class CalibrationStore:
         return calibration
 
 
-def store_calibrator(root: Path | None = None) -> Callable[[SublayerModel, str, bool], LatencyModel]:
-    """An engine's calibrator (pipeline.engine.Calibrator): this device's stored table for
-    the model, measured and stored when there is none, or when forced."""
+class StoreCalibrator:
+    """An engine's calibrator over a store (pipeline.engine.Calibrator): this device's table
+    for the model (the whole model, one process), measured and stored when there is none or
+    when forced, as corrected by the steps earlier engines timed."""
 
-    def calibrate(model: SublayerModel, model_name: str, force: bool) -> LatencyModel:
-        key = CalibrationKey.for_model(model, model_name, layout=DEFAULT_LAYOUT)  # the whole model, one process
-        return CalibrationStore(root).load_or_measure(model, key, force=force).latency
+    def __init__(self, root: Path | None = None) -> None:
+        self.store = CalibrationStore(root)
 
-    return calibrate
+    def __call__(self, model: SublayerModel, model_name: str, force: bool) -> LatencyModel:
+        calibration = self.store.load_or_measure(model, self._key(model, model_name), force=force)
+        if calibration.correction is not None:
+            logger.info(
+                "planning from the table as corrected by %d timed steps (%s)",
+                calibration.correction.steps,
+                calibration.correction.updated_at,
+            )
+        return calibration.corrected_latency
+
+    def record(self, model: SublayerModel, model_name: str, cost: StepCost, steps: int) -> bool:
+        """Keep `cost`, fitted to `steps` timed steps, with the stored table it corrects; False
+        when the store holds no table for this device and model (nothing to correct)."""
+        from filelock import FileLock
+
+        key = self._key(model, model_name)
+        path = self.store.path_for(key)
+        if not path.is_file():
+            return False
+        with FileLock(str(path) + ".lock"):
+            stored = self.store.get(key)
+            if stored is None:
+                return False
+            correction = StepCostCorrection(cost, steps, Calibration.now())
+            self.store.put(dataclasses.replace(stored, correction=correction))
+        return True
+
+    @staticmethod
+    def _key(model: SublayerModel, model_name: str) -> CalibrationKey:
+        return CalibrationKey.for_model(model, model_name, layout=DEFAULT_LAYOUT)
+
+
+def store_calibrator(root: Path | None = None) -> StoreCalibrator:
+    """The engine's calibrator over the store at `root` (default: the cache directory's)."""
+    return StoreCalibrator(root)

@@ -4,6 +4,10 @@ A calibration holds for one device, model, compute dtype and parallel layout: th
 model runs at different speeds on another GPU, in another dtype, or split over more
 stages. Its key names them; `device_name` is how a device is named in it. A calibration
 is saved as one JSON file (profiling/calibration.py keeps them in a store).
+
+What the microbenchmarks measured is kept as measured. An engine's own timed steps correct
+it (decoding/step_cost.py's online fit); the fit is kept beside the table as a
+`StepCostCorrection`, and `corrected_latency` is the table the next engine plans from.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -23,6 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pipeline.decoding.step_cost import StepCost
+from pipeline.knapspec.batch_latency import corrected_table
 from pipeline.knapspec.latency import LatencyModel
 
 if TYPE_CHECKING:
@@ -83,6 +90,27 @@ class CalibrationKey:
 
 
 @dataclass(frozen=True)
+class StepCostCorrection:
+    """A step cost fitted to an engine's timed steps on this device, and when."""
+
+    cost: StepCost
+    steps: int  # timed steps the fit had seen
+    updated_at: str  # ISO 8601, UTC
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self.cost), "steps": self.steps, "updated_at": self.updated_at}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> StepCostCorrection:
+        fields = dict(data)
+        steps, updated_at = int(fields.pop("steps")), str(fields.pop("updated_at"))
+        cost = StepCost(**{name: float(value) for name, value in fields.items()})
+        if not all(math.isfinite(v) and v >= 0 for v in cost.as_tuple()):
+            raise ValueError(f"step cost coefficients must be finite and >= 0, got {cost}")
+        return cls(cost, steps, updated_at)
+
+
+@dataclass(frozen=True)
 class Calibration:
     latency: LatencyModel
     device: str
@@ -98,6 +126,7 @@ class Calibration:
     t_verify_measured: tuple[float, ...]  # [k - 1]: median seconds of a full forward of k tokens
     repeats: int
     fit_residuals: Mapping[str, float] = field(default_factory=dict)  # relative RMS per fitted quantity
+    correction: StepCostCorrection | None = None  # what timed steps taught since (None: nothing yet)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "context_lengths", tuple(int(n) for n in self.context_lengths))
@@ -113,6 +142,11 @@ class Calibration:
     def key(self) -> CalibrationKey:
         return CalibrationKey(device=self.device, model=self.model, dtype=self.dtype, layout=self.layout)
 
+    @property
+    def corrected_latency(self) -> LatencyModel:
+        """The table to plan from: the measured one, corrected by the timed steps where there were any."""
+        return self.latency if self.correction is None else corrected_table(self.latency, self.correction.cost)
+
     @staticmethod
     def now() -> str:
         return datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -125,6 +159,7 @@ class Calibration:
         for name in ("context_lengths", "t_attn_measured", "t_verify_measured"):
             data[name] = list(data[name])
         data["fit_residuals"] = dict(self.fit_residuals)
+        data["correction"] = None if self.correction is None else self.correction.to_dict()
         return {"format": FORMAT_VERSION, **data}
 
     @classmethod
@@ -137,6 +172,8 @@ class Calibration:
         del fields["format"]
         try:
             fields["latency"] = LatencyModel.from_dict(fields["latency"])
+            if fields.get("correction") is not None:
+                fields["correction"] = StepCostCorrection.from_dict(fields["correction"])
             return cls(**fields)
         except (KeyError, TypeError, ValueError) as e:
             raise CalibrationFormatError(f"malformed calibration: {e}") from None

@@ -22,11 +22,11 @@ draft sets every slot's attention growth, and each width is tried.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from pipeline.decoding.drafters import Draft
-from pipeline.decoding.step_cost import OnlineStepCost, StepCost
+from pipeline.decoding.step_cost import OnlineStepCost, StepCost, StepLatency
 from pipeline.model.kv_pool import PooledCache
 
 if TYPE_CHECKING:
@@ -92,17 +92,32 @@ def _best_under(lengths, survival, contexts, cost: StepCost, width: int, padded:
     return kept, tokens / seconds
 
 
+def fresh_step_cost(latency: StepLatency) -> OnlineStepCost:
+    """A step-cost fit of its own, started from `latency`'s table."""
+    return OnlineStepCost(StepCost.from_table(latency))
+
+
 class DraftBudget:
     """A batch's draft budget across its steps: the step cost, from the latency table of a
-    drafter that estimates its drafts' survival, then fitted to the steps it timed."""
+    drafter that estimates its drafts' survival, then fitted to the steps it timed.
 
-    def __init__(self) -> None:
+    `start` gives the fit from a table (default: a fit of the batch's own; an engine passes
+    the device's, which its batches share); `observed` hears of every timed step after it
+    is fitted (an engine writes the fit back to the device's calibration now and then)."""
+
+    def __init__(
+        self,
+        start: Callable[[StepLatency], OnlineStepCost] = fresh_step_cost,
+        observed: Callable[[OnlineStepCost], None] | None = None,
+    ) -> None:
         self.cost: OnlineStepCost | None = None
+        self._start = start
+        self._observed = observed
 
-    def step_cost(self, latency) -> OnlineStepCost:
+    def step_cost(self, latency: StepLatency) -> OnlineStepCost:
         """The batch's step cost, started from `latency`'s table if nothing has started it yet."""
         if self.cost is None:
-            self.cost = OnlineStepCost(StepCost.from_table(latency))
+            self.cost = self._start(latency)
         return self.cost
 
     def fit(self, requests: Sequence[DecodingRequest], drafts: Sequence[Draft]) -> list[Draft]:
@@ -114,7 +129,7 @@ class DraftBudget:
             latency = next((getattr(r.drafter, "latency", None) for r in estimated), None)
             if latency is None:
                 return drafts
-            self.cost = OnlineStepCost(StepCost.from_table(latency))
+            self.cost = self._start(latency)
         if len(drafts) < 2 or all(d.survival is None for d in drafts):
             return drafts
         lengths = trim_drafts(
@@ -132,9 +147,49 @@ class DraftBudget:
         if self.cost is not None:
             contexts = [r.cache.length for r in requests]
             self.cost.observe(contexts, [1 + len(d.token_ids) for d in drafts], pooled(requests), seconds)
+            if self._observed is not None:
+                self._observed(self.cost)
 
 
 def pooled(requests: Sequence[DecodingRequest]) -> bool:
     """Whether the requests' caches are slots of one pool: they attend together (packing.pooled_rows)."""
     pools = {id(r.cache.pool) if isinstance(r.cache, PooledCache) else None for r in requests}
     return len(requests) > 1 and None not in pools and len(pools) == 1
+
+
+# The device's fit is recorded once it has seen this many timed steps, then every RECORD_EVERY.
+RECORD_FIRST = 64
+RECORD_EVERY = 512
+
+
+class DeviceStepCost:
+    """One device's step-cost fit, shared by the batches that an engine runs one after
+    another (each batch alone would start from the table again), and handed to `record`
+    (the calibration store: the next engine starts from it) once it has seen RECORD_FIRST
+    timed steps, then every RECORD_EVERY, and at `flush`."""
+
+    def __init__(self, record: Callable[[StepCost, int], None] | None = None) -> None:
+        self.cost: OnlineStepCost | None = None
+        self._record = record
+        self._recorded = 0  # timed steps the last recorded fit had seen
+
+    def budget(self) -> DraftBudget:
+        """A batch's draft budget over this fit."""
+        return DraftBudget(start=self._start, observed=self._observed)
+
+    def flush(self) -> None:
+        """Record the fit if it has seen enough steps and more than were last recorded."""
+        cost = self.cost
+        if self._record is not None and cost is not None and cost.num_observed >= max(RECORD_FIRST, self._recorded + 1):
+            self._recorded = cost.num_observed
+            self._record(cost.current(), cost.num_observed)
+
+    def _start(self, latency: StepLatency) -> OnlineStepCost:
+        if self.cost is None:
+            self.cost = fresh_step_cost(latency)
+        return self.cost
+
+    def _observed(self, cost: OnlineStepCost) -> None:
+        due = RECORD_FIRST if self._recorded == 0 else self._recorded + RECORD_EVERY
+        if cost.num_observed >= due:
+            self.flush()

@@ -89,10 +89,16 @@ class ContinuousBatcher:
     """Up to `max_batch` requests in one batch; `step` advances all of them by one forward."""
 
     def __init__(
-        self, model, max_batch: int, kv_budget_bytes: int | None = None, prefill_chunk: int | None = None
+        self,
+        model,
+        max_batch: int,
+        kv_budget_bytes: int | None = None,
+        prefill_chunk: int | None = None,
+        budget: DraftBudget | None = None,
     ) -> None:
         """`kv_budget_bytes`: what all caches together may take (None: `max_batch` caches at the
-        model's whole context). `prefill_chunk`: prompt rows per step (None: the model's)."""
+        model's whole context). `prefill_chunk`: prompt rows per step (None: the model's).
+        `budget`: the draft budget and step-cost fit (None: the batcher's own, from the table)."""
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
         if not hasattr(model, "forward_batch"):
@@ -112,7 +118,9 @@ class ContinuousBatcher:
         self._reserved: dict[int, int] = {}  # ticket -> bytes of its cache
         self._tickets = iter(range(1 << 62))
         self.steps = 0
-        self.budget = DraftBudget()  # how much of each draft pays in the batch, learning its step cost
+        self.budget = (
+            budget if budget is not None else DraftBudget()
+        )  # how much of each draft pays in the batch, learning its step cost
         self.pool: KVPool | None = None  # made at the first admission
 
     # --------------------------------------------------------------- intake

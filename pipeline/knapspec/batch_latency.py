@@ -15,11 +15,14 @@ attention item's grows with the batch's total context: as batch × context grows
 items weigh more and the knapsack skips them first.
 
 The coefficients are a `StepCost`: the device's latency table at first, the engine's own
-timed steps once it has some (OnlineStepCost). Pure arithmetic.
+timed steps once it has some (OnlineStepCost). What the steps taught goes back into a table
+(`corrected_table`), so that a request planning alone and the next job start from it. Pure
+arithmetic.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -130,3 +133,34 @@ class BatchLatency:
         """The share of a full step spent in attention items (what skipping them can save)."""
         costs = self.item_costs(shape)
         return self.num_layers * costs.attention / self.t_step((), shape)
+
+
+# A corrected verify ratio never drops below this: a table's ratios must stay positive.
+MIN_VERIFY_RATIO = 1e-3
+
+
+def corrected_table(latency: LatencyModel, cost: StepCost) -> LatencyModel:
+    """`latency` made to agree with a step cost fitted to timed steps: `StepCost.from_table` of
+    the result gives back the fit's one-row cost (`fixed + per_row`), its per-row slope and its
+    per-key cost. Timed steps cannot tell items apart, so the split of one row's cost among
+    attention, MLP and the rest stays the table's, and so does the shape of the verify curve,
+    stretched to the fit's slope. The fit's `per_key_row` has no place of its own in a table
+    (a table ties it to the per-row slope); the online fit learns it again from drafting steps."""
+    table = StepCost.from_table(latency)
+    base, fitted_base = table.fixed + table.per_row, cost.fixed + cost.per_row
+    if base <= 0 or fitted_base <= 0:
+        raise ValueError(f"a step cost of one row must be positive, got {base} (table) and {fitted_base} (fit)")
+    scale = fitted_base / base
+    slope, fitted_slope = table.per_row / base, cost.per_row / fitted_base
+    if slope > 0:
+        ratios = [1.0 + (r - 1.0) * fitted_slope / slope for r in latency.verify_ratios]
+    else:  # a flat (or noisy, falling) curve has no shape to stretch: the fit's straight line
+        ratios = [1.0 + fitted_slope * j for j in range(latency.max_verify)]
+    return dataclasses.replace(
+        latency,
+        attn_slope=cost.per_key / latency.num_layers,
+        attn_base=latency.attn_base * scale,
+        t_mlp=latency.t_mlp * scale,
+        t_fixed=latency.t_fixed * scale,
+        verify_ratios=(1.0, *(max(r, MIN_VERIFY_RATIO) for r in ratios[1:])),
+    )
