@@ -231,6 +231,8 @@ def run_batch(
     started = time.perf_counter()
     results = decode_batch(engine.model, requests)
     decode_s = time.perf_counter() - started
+    for request in requests:  # a live slot and its pool refer to each other: released, the pool goes at once
+        pool.release(request.cache)
     return BatchRun(results, decode_s, sum(f.seconds for f in prefilled), engine.batch_searches(strategy)[searched:])
 
 

@@ -4,11 +4,16 @@
     python jobs/gpu_check.py --output out/      # on a machine with an H100/H200-class GPU
 
 1. A Llama-3.1-8B-shaped model with random weights in bf16 (decode cost depends on shapes,
-   not on weight values): an `ar` step at batch 1 / 8 / 32 with 4k tokens of context per
-   request, against the bandwidth floor (weights plus every request's KV cache read once,
-   at the copy bandwidth measured on this device), and verify(k) — a step of k rows per
-   request — relative to one row, at each batch.
-2. Greedy equality on a tiny random model on the device: each request's tokens decoded in
+   not on weight values): an `ar` step at batch 1 / 8 / 32 with 4k and 16k tokens of
+   context per request, against the bandwidth floor (weights plus every request's KV cache
+   read once, at the copy bandwidth measured on this device), and verify(k) — a step of k
+   rows per request — relative to one row, at each batch.
+2. KnapSpec there: the draft step of sub-networks that skip given shares of the attention
+   and MLP items, timed at each batch and context, and the speed-up KnapSpec would predict
+   from those times with the acceptance α that drafts skipping the same shares reached on a
+   real model (SmolLM2 on CPU, jobs/acceptance.py's jobs/acceptance-smollm2.json). Random
+   weights have no meaningful acceptance of their own: the speed-ups are predictions.
+3. Greedy equality on a tiny random model on the device: each request's tokens decoded in
    one continuous batch (mixed prompt lengths and limits, prompt lookup drafts) against the
    same request alone; a differing token must sit at a top-2 logit gap under 1e-4.
 
@@ -34,11 +39,14 @@ from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest
 from pipeline.errors import ConfigError
+from pipeline.knapspec.skip_fractions import project, spread_skip
 from pipeline.logs import configure_logging
 from pipeline.model.linear import ComputeMode
 from pipeline.model.packing import RequestRows
 from profiling.device_profile import shaped_model, shaped_tensors
 
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_ACCEPTANCE = REPO / "jobs" / "acceptance-smollm2.json"
 logger = logging.getLogger("gpu_check")
 
 NEAR_TIE = 1e-4
@@ -60,9 +68,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     parser.add_argument("--batch-sizes", default="1,8,32")
-    parser.add_argument("--context", type=int, default=4096, help="tokens of context per request")
-    parser.add_argument("--verify-rows", default="2,4,8", help="rows per request of the verify steps timed")
+    parser.add_argument("--contexts", default="4096,16384", help="tokens of context per request, comma-separated")
+    parser.add_argument("--verify-rows", default="2,3,4,5,8", help="rows per request of the verify steps timed")
     parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument(
+        "--acceptance", type=Path, default=DEFAULT_ACCEPTANCE, help="α per share of skipped items (jobs/acceptance.py)"
+    )
     parser.add_argument("--output", type=Path, default=Path("out"))
     return parser.parse_args(argv)
 
@@ -100,8 +111,36 @@ def copy_bandwidth(device: torch.device, num_bytes: int = 1 << 30) -> float:
     return 2 * num_bytes / seconds
 
 
-def decode_costs(model, batch_sizes: list[int], context: int, verify_rows: list[int], iterations: int) -> list[dict]:
-    """Per batch size: the `ar` step and verify(k) steps over caches holding `context` positions."""
+def load_acceptance(path: Path) -> dict:
+    """The α per share of skipped items that jobs/acceptance.py measured on a real model."""
+    if not path.is_file():
+        raise ConfigError(f"no acceptance table at {path}: run jobs/acceptance.py (or pass --acceptance)")
+    table = json.loads(path.read_text())
+    if not table.get("rows"):
+        raise ConfigError(f"{path} holds no acceptance rows")
+    return table
+
+
+def draft_counts(acceptance: dict, num_layers: int) -> list[tuple[int, int]]:
+    """(attention items, MLP items) skipped on this model for each share the table measured."""
+    most = num_layers - 2  # the first and last layers always run
+    counts = {
+        (min(round(row["attention_skipped"] * num_layers), most), min(round(row["mlp_skipped"] * num_layers), most))
+        for row in acceptance["rows"]
+    }
+    return sorted(c for c in counts if c != (0, 0))
+
+
+def _draft_key(attention: int, mlp: int) -> str:
+    return f"{attention}/{mlp}"
+
+
+def decode_costs(
+    model, batch_sizes: list[int], contexts: list[int], verify_rows: list[int], iterations: int,
+    drafts: list[tuple[int, int]],
+) -> list[dict]:  # fmt: skip
+    """Per batch size and context: the `ar` step, verify(k) steps and the draft steps of the
+    skip sets with `drafts` (attention, MLP) items skipped, over caches holding `context` positions."""
     spec, device = model.spec, model.device
     weight_bytes = (
         sum(
@@ -113,31 +152,62 @@ def decode_costs(model, batch_sizes: list[int], context: int, verify_rows: list[
     )
     position_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * model.embed.element_size()
     bandwidth = copy_bandwidth(device)
+    skips = {_draft_key(*c): spread_skip(spec.num_layers, *c) for c in drafts}
     rows = []
-    for batch in batch_sizes:
-        pool = model.new_pool(batch, context + max(verify_rows))
-        caches = []
-        for _ in range(batch):
-            cache = pool.acquire(context + max(verify_rows))
-            cache.commit(context)  # what the keys hold does not change what reading them costs
-            caches.append(cache)
+    for context in contexts:
+        for batch in batch_sizes:
+            pool = model.new_pool(batch, context + max(verify_rows))
+            caches = []
+            for _ in range(batch):
+                cache = pool.acquire(context + max(verify_rows))
+                cache.commit(context)  # what the keys hold does not change what reading them costs
+                caches.append(cache)
 
-        def step(k: int, caches: list = caches):
-            ids = torch.arange(k, device=device) + 10
-            blocks = [RequestRows(c, ids, c.length) for c in caches]
-            return lambda: model.forward_batch(blocks)
+            def step(k: int, skip: frozenset[int] = frozenset(), caches: list = caches):
+                ids = torch.arange(k, device=device) + 10
+                blocks = [RequestRows(c, ids, c.length) for c in caches]
+                return lambda: model.forward_batch(blocks, skip=skip)
 
-        ar = timed(step(1), device, iterations)
-        floor = (weight_bytes + batch * context * position_bytes) / bandwidth
-        row = {"batch": batch, "context": context, "ar_step_ms": ar * 1e3, "tokens_per_s": batch / ar,
-               "floor_ms": floor * 1e3, "floor_over_step": floor / ar}  # fmt: skip
-        for k in verify_rows:
-            row[f"verify_{k}_over_1"] = timed(step(k), device, iterations) / ar
-        logger.info("batch %d: %.2f ms per ar step (floor %.2f ms)", batch, ar * 1e3, floor * 1e3)
-        rows.append(row)
-        del pool, caches
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+            ar = timed(step(1), device, iterations)
+            floor = (weight_bytes + batch * context * position_bytes) / bandwidth
+            row = {"batch": batch, "context": context, "ar_step_ms": ar * 1e3, "tokens_per_s": batch / ar,
+                   "floor_ms": floor * 1e3, "floor_over_step": floor / ar}  # fmt: skip
+            for k in verify_rows:
+                row[f"verify_{k}_over_1"] = timed(step(k), device, iterations) / ar
+            row["draft_over_ar"] = {key: timed(step(1, skip), device, iterations) / ar for key, skip in skips.items()}
+            logger.info("batch %d, context %d: %.2f ms per ar step (floor %.2f ms)", batch, context, ar * 1e3,
+                        floor * 1e3)  # fmt: skip
+            rows.append(row)
+            for cache in caches:  # a live slot and its pool refer to each other: released, the pool goes at once
+                pool.release(cache)
+            del pool, caches
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def projections(costs: list[dict], acceptance: dict, num_layers: int, verify_rows: list[int]) -> list[dict]:
+    """Per batch and context: the share of skipped items whose borrowed α and measured step
+    times predict the best speed-up over `ar` (KnapSpec's TPT over γ; AR where none wins)."""
+    most = num_layers - 2
+    rows = []
+    for cost in costs:
+        t_verify = {k: cost[f"verify_{k}_over_1"] for k in verify_rows}  # in units of the ar step
+        best = None
+        for entry in acceptance["rows"]:
+            attention = min(round(entry["attention_skipped"] * num_layers), most)
+            mlp = min(round(entry["mlp_skipped"] * num_layers), most)
+            draft = cost["draft_over_ar"].get(_draft_key(attention, mlp))
+            if draft is None:
+                continue
+            plan = project(entry["alpha"], 1.0, draft, t_verify)
+            if best is None or plan.speedup > best["speedup"]:
+                best = {"batch": cost["batch"], "context": cost["context"], "kind": entry["kind"],
+                        "attention_skipped": attention / num_layers, "mlp_skipped": mlp / num_layers,
+                        "alpha": entry["alpha"], "draft_over_ar": draft, "gamma": plan.gamma,
+                        "speedup": plan.speedup}  # fmt: skip
+        if best is not None:
+            rows.append(best)
     return rows
 
 
@@ -197,9 +267,12 @@ def _spec(config):
     return ModelSpec.from_hf_config(config)
 
 
-def format_report(device_name: str, shape: str, costs: list[dict], equality: dict, verify_rows: list[int]) -> str:
+def format_report(
+    device_name: str, shape: str, costs: list[dict], plans: list[dict], acceptance: dict, equality: dict,
+    verify_rows: list[int], mode: str,
+) -> str:  # fmt: skip
     lines = [
-        f"GPU check on {device_name}: {shape}-shaped model, random weights, bf16, one process.",
+        f"GPU check on {device_name}: {shape}-shaped model, random weights, {mode}, one process.",
         "",
         "| batch | context | ar step ms | tokens/s | bandwidth floor ms | floor / step | "
         + " | ".join(f"verify {k} / 1" for k in verify_rows) + " |",
@@ -211,6 +284,27 @@ def format_report(device_name: str, shape: str, costs: list[dict], equality: dic
             f"| {row['floor_ms']:.2f} | {row['floor_over_step']:.2f} | "
             + " | ".join(f"{row[f'verify_{k}_over_1']:.2f}" for k in verify_rows) + " |"
         )  # fmt: skip
+    lines += [
+        "",
+        f"KnapSpec's predicted speed-up over `ar` at the same batch: this model's measured draft and verify steps, "
+        f"with the α that drafts skipping the same shares of items reached on {acceptance.get('model', '?')} "
+        f"({acceptance.get('dtype', '?')}, {acceptance.get('context_length', '?')}-token prompts, "
+        f"{len(acceptance.get('documents', []))} documents; jobs/acceptance.py). Random weights have no meaningful "
+        "acceptance: these are predictions from measured step times and borrowed α, not measured speed-ups. "
+        "γ is searched over the verify widths timed; AR where no draft wins.",
+        "",
+        "| batch | context | best draft | attention skipped | MLP skipped | α | draft / ar step | γ | predicted speed-up |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for plan in plans:
+        if plan["gamma"] == 0:
+            lines.append(f"| {plan['batch']} | {plan['context']} | AR | — | — | — | — | — | 1.00× |")
+            continue
+        lines.append(
+            f"| {plan['batch']} | {plan['context']} | {plan['kind']} | {plan['attention_skipped']:.0%} "
+            f"| {plan['mlp_skipped']:.0%} | {plan['alpha']:.2f} | {plan['draft_over_ar']:.2f} | {plan['gamma']} "
+            f"| {plan['speedup']:.2f}× |"
+        )
     verdict = "PASS" if not equality["failures"] else "FAIL"
     lines += [
         "",
@@ -226,7 +320,9 @@ def run(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("no CUDA device here; the GPU check needs one (or --device cpu --shape tiny to try it)")
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
     verify_rows = [int(x) for x in args.verify_rows.split(",")]
+    acceptance = load_acceptance(args.acceptance)
     torch.manual_seed(0)
     started = time.perf_counter()
     mode = ComputeMode.BF16 if device.type == "cuda" else ComputeMode.FP32
@@ -234,16 +330,21 @@ def run(args: argparse.Namespace) -> int:
     with torch.inference_mode():
         model = shaped_model(config, mode, device, num_layers=config.num_hidden_layers)
     logger.info("Built the %s-shaped model in %.0f s", args.shape, time.perf_counter() - started)
-    costs = decode_costs(model, batch_sizes, args.context, verify_rows, args.iterations)
+    num_layers = model.spec.num_layers
+    costs = decode_costs(
+        model, batch_sizes, contexts, verify_rows, args.iterations, draft_counts(acceptance, num_layers)
+    )
+    plans = projections(costs, acceptance, num_layers, verify_rows)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     equality = greedy_equality(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    report = format_report(name, args.shape, costs, equality, verify_rows)
+    report = format_report(name, args.shape, costs, plans, acceptance, equality, verify_rows, mode.value)
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "gpu_check.md").write_text(report + "\n")
-    payload = {"device": name, "shape": args.shape, "costs": costs, "equality": equality,
+    payload = {"device": name, "shape": args.shape, "costs": costs, "knapspec": plans,
+               "acceptance": str(args.acceptance), "equality": equality,
                "seconds": time.perf_counter() - started}  # fmt: skip
     (args.output / "gpu_check.json").write_text(json.dumps(payload, indent=2))
     print(report)
