@@ -293,7 +293,8 @@ def format_report(
         "acceptance: these are predictions from measured step times and borrowed α, not measured speed-ups. "
         "γ is searched over the verify widths timed; AR where no draft wins.",
         "",
-        "| batch | context | best draft | attention skipped | MLP skipped | α | draft / ar step | γ | predicted speed-up |",
+        "| batch | context | best draft | attention skipped | MLP skipped | α | draft / ar step | γ "
+        "| predicted speed-up |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for plan in plans:

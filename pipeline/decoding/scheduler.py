@@ -118,9 +118,8 @@ class ContinuousBatcher:
         self._reserved: dict[int, int] = {}  # ticket -> bytes of its cache
         self._tickets = iter(range(1 << 62))
         self.steps = 0
-        self.budget = (
-            budget if budget is not None else DraftBudget()
-        )  # how much of each draft pays in the batch, learning its step cost
+        # How much of each draft pays in the batch, learning its step cost.
+        self.budget = budget if budget is not None else DraftBudget()
         self.pool: KVPool | None = None  # made at the first admission
 
     # --------------------------------------------------------------- intake
