@@ -25,12 +25,11 @@ from pathlib import Path
 
 import torch
 
-from pipeline.cli import run_reporting_errors
+from pipeline.cli import load_documents, run_reporting_errors
 from pipeline.decoding.drafters import LayerSkipDrafter
 from pipeline.decoding.loop import DecodeConfig, decode, prefill
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engine import Engine, EngineConfig
-from pipeline.errors import ConfigError
 from pipeline.knapspec.skip_fractions import KINDS, alpha_from_tokens, best_skip_sets, fractions
 from pipeline.logs import configure_logging
 from pipeline.summarization.prompts import build_prompt
@@ -66,18 +65,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.reference_tokens < 2 or args.max_new_tokens <= args.reference_tokens + args.gamma:
         parser.error("need --reference-tokens >= 2 and --max-new-tokens > reference tokens + gamma")
     return args
-
-
-def load_documents(path: Path, ids: list[str]) -> dict[str, str]:
-    rows = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            rows[str(row["id"])] = row["text"]
-    missing = [i for i in ids if i not in rows]
-    if missing:
-        raise ConfigError(f"ids not found in {path}: {', '.join(missing)}")
-    return {i: rows[i] for i in ids}
 
 
 def measure_document(engine: Engine, text: str, args: argparse.Namespace) -> list[dict]:

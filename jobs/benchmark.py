@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.cli import add_repetition_arguments, sampling_params
+from pipeline.cli import add_repetition_arguments, load_documents, sampling_params
 from pipeline.decoding.drafters import LayerSkipDrafter
 from pipeline.decoding.loop import (
     DecodeConfig,
@@ -41,7 +41,7 @@ from pipeline.decoding.loop import (
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.stats import GenerationStats
 from pipeline.engine import SEARCHING_STRATEGIES, STRATEGIES, Engine, EngineConfig, StrategyConfig
-from pipeline.errors import ConfigError, KnapSpecError
+from pipeline.errors import ConfigError
 from pipeline.knapspec.drafter import KnapSpecDrafter, search_candidates
 from pipeline.knapspec.replanning import KnapSpecConfig
 from pipeline.knapspec.tpt import choose_plan
@@ -156,18 +156,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     pipe.add_argument("--in-flight", default="1,4", help="requests in flight, comma-separated")
     pipe.add_argument("--requests", type=int, default=8, help="requests per measurement")
     return parser.parse_args(argv)
-
-
-def load_documents(path: Path, ids: list[str]) -> dict[str, str]:
-    rows = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            rows[str(row["id"])] = row["text"]
-    missing = [i for i in ids if i not in rows]
-    if missing:
-        raise KnapSpecError(f"ids not found in {path}: {', '.join(missing)}")
-    return {i: rows[i] for i in ids}
 
 
 def batch_prompts(tokenizer, text: str, length: int, count: int) -> list[torch.Tensor]:

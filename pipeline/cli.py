@@ -4,8 +4,10 @@ usage problem ending in one `error:` line and exit code 2."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from pipeline.errors import ConfigError, KnapSpecError
@@ -157,3 +159,17 @@ def check_model(model: str | None) -> None:
 
     if model is not None and model != checkpoint.EMBEDDED_MODEL:
         checkpoint.resolve_checkpoint(model)
+
+
+def load_documents(path: Path, ids: Sequence[str]) -> dict[str, str]:
+    """The texts of `ids`, in that order, from a .jsonl file of {"id", "text"} rows (the
+    sample documents the measuring jobs read)."""
+    rows = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows[str(row["id"])] = row["text"]
+    missing = [i for i in ids if i not in rows]
+    if missing:
+        raise ConfigError(f"ids not found in {path}: {', '.join(missing)}")
+    return {i: rows[i] for i in ids}

@@ -19,6 +19,7 @@ from profiling import microbench
 from profiling.calibration import CalibrationStore, store_calibrator
 from profiling.record import Calibration, CalibrationFormatError, CalibrationKey, StepCostCorrection, device_name
 from tests.builders import load_job, random_prompt
+from tests.profiling.test_profiling import make_calibration
 from tests.slow_device import slow_down
 
 TABLE = LatencyModel(
@@ -63,22 +64,7 @@ def test_a_flat_verify_curve_takes_the_fits_straight_line():
 
 
 def calibration(**overrides) -> Calibration:
-    values = dict(
-        latency=TABLE,
-        device=device_name("cpu"),
-        model="tiny",
-        dtype="fp16w",
-        layout="pp1-tp1",
-        num_threads=2,
-        torch_version=torch.__version__,
-        created_at=Calibration.now(),
-        context_lengths=(128, 1024),
-        t_attn_measured=(0.55e-3, 0.9e-3),
-        reference_context=1024,
-        t_verify_measured=(0.06, 0.063),
-        repeats=3,
-    )
-    return Calibration(**(values | overrides))
+    return make_calibration(**({"latency": TABLE, "device": device_name("cpu"), "model": "tiny"} | overrides))
 
 
 def test_a_correction_is_kept_beside_the_measured_table(tmp_path):
