@@ -11,7 +11,8 @@ the first (`per_key_row`). The latency table gives a first estimate (a table mea
 on a busy machine can be off by a quarter), and the engine's own step timings correct
 it: a least-squares fit, pulled toward the table where the steps say little (a batch
 that never drafts says nothing of `per_key_row`), weighted to the most recent steps so
-that a device slowing down mid-run is followed, and robust to the odd stalled step.
+that a device slowing down mid-run is followed (restarted from the latest steps when they
+all miss the same way: a device several times slower), and robust to the odd stalled step.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ ERRORS_KEPT = 4096
 # Relative errors beyond this weigh less (Huber); beyond STALL, none in the final fit.
 HUBER_DELTA = 0.1
 STALL = 0.5
+# CHANGE_STEPS steps in a row that the fit missed by more than CHANGE_ERROR the same way are
+# no stalls but a device that changed speed: the fit restarts from them. (A fit of relative
+# errors over the old and the new steps would sit near the old speed: a step predicted 10×
+# too slow costs it 9, one predicted 10× too fast at most 1; and the stall rule would then
+# drop the new steps.)
+CHANGE_STEPS = 8
+CHANGE_ERROR = 0.25
 
 
 class StepLatency(Protocol):
@@ -100,6 +108,9 @@ class OnlineStepCost:
         # ERRORS_KEPT of them, a replica's batcher living as long as its job.
         self.errors: deque[tuple[float, float]] = deque(maxlen=ERRORS_KEPT)
         self.num_observed = 0
+        self.num_changes = 0  # times the fit restarted from a device that changed speed
+        self._missed = 0  # the last steps the fit missed by more than CHANGE_ERROR, all one way
+        self._missed_slower = False
 
     def observe(self, contexts: Sequence[int], rows: Sequence[int], padded: bool, seconds: float) -> None:
         """One timed step (without a prefill chunk: its rows cost by other rules)."""
@@ -110,6 +121,21 @@ class OnlineStepCost:
             self.num_observed += 1
             self._steps.append((StepCost.features(contexts, rows, padded), seconds))
             self._unfitted += 1
+            self._note_miss(fitted, seconds)
+
+    def _note_miss(self, fitted: float, seconds: float) -> None:
+        if abs(fitted - seconds) <= CHANGE_ERROR * seconds:
+            self._missed = 0
+            return
+        slower = seconds > fitted
+        self._missed = self._missed + 1 if self._missed and slower == self._missed_slower else 1
+        self._missed_slower = slower
+        if self._missed >= CHANGE_STEPS:
+            recent = list(self._steps)[-CHANGE_STEPS:]
+            self._steps.clear()
+            self._steps.extend(recent)
+            self._unfitted, self._missed = REFIT_EVERY, 0
+            self.num_changes += 1
 
     def prediction_errors(self, after: int = 0) -> tuple[float, float] | None:
         """Mean relative error of the table's and of the fit's step predictions over the steps

@@ -128,6 +128,20 @@ def test_timed_steps_correct_a_table_twice_off_and_follow_a_slower_device():
     assert worst_error(online.current(), truth, seed=5, slowdown=1.5) < 0.15
 
 
+def test_a_device_several_times_slower_is_followed_within_a_few_dozen_steps():
+    """A relative-error fit over old and new steps would sit near the old speed, and the stall
+    rule would drop the new steps: a run of steps missed the same way restarts the fit."""
+    truth = StepCost(fixed=0.02, per_row=0.003, per_key=6e-6, per_key_row=1.5e-6)
+    online = OnlineStepCost(truth)
+    for step in synthetic_steps(truth, 60, seed=2):  # noise and stalls, but no change of speed
+        online.observe(*step)
+    assert online.num_changes == 0
+    for step in synthetic_steps(truth, 24, seed=4, slowdown=10.0):
+        online.observe(*step)
+    assert online.num_changes == 1
+    assert worst_error(online.current(), truth, seed=5, slowdown=10.0) < 0.15
+
+
 def test_steps_that_never_draft_keep_the_tables_draft_costs():
     """A batch that only decodes says nothing of what query rows cost: those stay the table's."""
     table = StepCost(fixed=0.02, per_row=0.003, per_key=6e-6, per_key_row=1.5e-6)

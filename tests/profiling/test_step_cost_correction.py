@@ -4,6 +4,7 @@ kept with the measured one, and an engine whose device slows down after calibrat
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -128,6 +129,18 @@ def test_the_device_fit_is_shared_by_batches_and_recorded_now_and_then(monkeypat
     assert DeviceStepCost().budget().step_cost(TABLE) is not device.cost
 
 
+# Per MLP call: 20 ms per step on 2 layers, ten times the step itself, so that a busy machine's
+# noise on the compute stays small beside it.
+SLOWDOWN_S = 10e-3
+
+
+def median_errors(cost, after: int) -> tuple[float, float]:
+    """Median relative errors of the table's and the fit's predictions past the first `after`
+    steps (a median: an odd step stalled by a neighbour says nothing of the fit)."""
+    seen = list(cost.errors)[after:]
+    return statistics.median(t for t, _ in seen), statistics.median(f for _, f in seen)
+
+
 def test_an_engine_follows_a_device_slowed_mid_run_and_the_next_engine_starts_there(
     tiny_chat_checkpoint, tmp_path, monkeypatch
 ):
@@ -147,9 +160,9 @@ def test_an_engine_follows_a_device_slowed_mid_run_and_the_next_engine_starts_th
     fit = engine.step_cost.cost
     before = fit.num_observed
     assert before >= batch_drafts.RECORD_FIRST  # kept once already
-    slow_down(engine.model, 4e-3)  # per MLP call: ~8 ms per step on 2 layers, several times the step
+    slow_down(engine.model, SLOWDOWN_S)
     engine.generate_batch(prompts, strategy, 40, max_batch=2)  # the same fit goes on
-    table_error, fit_error = fit.prediction_errors(after=before + 32)
+    table_error, fit_error = median_errors(fit, after=before + 32)
     assert table_error > 0.5 and fit_error < 0.15, (table_error, fit_error)
 
     stored = CalibrationStore(tmp_path).get(CalibrationKey.for_model(engine.model, engine.name))
@@ -158,7 +171,7 @@ def test_an_engine_follows_a_device_slowed_mid_run_and_the_next_engine_starts_th
 
     following = Engine(config, calibrator=calibrator)
     assert following.latency == corrected_table(measured, stored.correction.cost) != measured
-    slow_down(following.model, 4e-3)
+    slow_down(following.model, SLOWDOWN_S)
     following.generate_batch(prompts, strategy, 40, max_batch=2)
-    table_error, _ = following.step_cost.cost.prediction_errors()
+    table_error, _ = median_errors(following.step_cost.cost, after=0)
     assert table_error < 0.2, table_error  # its table is the corrected one, from its first step
