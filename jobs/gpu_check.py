@@ -121,13 +121,15 @@ def load_acceptance(path: Path) -> dict:
     return table
 
 
+def skipped_counts(row: dict, num_layers: int) -> tuple[int, int]:
+    """(attention items, MLP items) an acceptance row's shares skip on a model of `num_layers`."""
+    most = num_layers - 2  # the first and last layers always run
+    return tuple(min(round(row[f"{kind}_skipped"] * num_layers), most) for kind in ("attention", "mlp"))
+
+
 def draft_counts(acceptance: dict, num_layers: int) -> list[tuple[int, int]]:
     """(attention items, MLP items) skipped on this model for each share the table measured."""
-    most = num_layers - 2  # the first and last layers always run
-    counts = {
-        (min(round(row["attention_skipped"] * num_layers), most), min(round(row["mlp_skipped"] * num_layers), most))
-        for row in acceptance["rows"]
-    }
+    counts = {skipped_counts(row, num_layers) for row in acceptance["rows"]}
     return sorted(c for c in counts if c != (0, 0))
 
 
@@ -189,14 +191,12 @@ def decode_costs(
 def projections(costs: list[dict], acceptance: dict, num_layers: int, verify_rows: list[int]) -> list[dict]:
     """Per batch and context: the share of skipped items whose borrowed α and measured step
     times predict the best speed-up over `ar` (KnapSpec's TPT over γ; AR where none wins)."""
-    most = num_layers - 2
     rows = []
     for cost in costs:
         t_verify = {k: cost[f"verify_{k}_over_1"] for k in verify_rows}  # in units of the ar step
         best = None
         for entry in acceptance["rows"]:
-            attention = min(round(entry["attention_skipped"] * num_layers), most)
-            mlp = min(round(entry["mlp_skipped"] * num_layers), most)
+            attention, mlp = skipped_counts(entry, num_layers)
             draft = cost["draft_over_ar"].get(_draft_key(attention, mlp))
             if draft is None:
                 continue
