@@ -88,6 +88,7 @@ class Record:
     # mean relative error of the latency table's prediction and of the online fit's.
     step_error_table: float | None = None
     step_error_online: float | None = None
+    step_fit_restarts: float | None = None  # times the online fit restarted from a change of speed
     # KnapSpec's batch planner: its searches, and the best drafting plan's predicted batch
     # tokens/s over plain decoding's (median; below 1 + margin it chose AR).
     batch_searches: int | None = None
@@ -272,6 +273,7 @@ def batch_record(
         speedup_vs_batch1=statistics.median(speeds) / reference_at_1 if reference_at_1 else None,
         step_error_table=_median_extra(results, "step_error_table"),
         step_error_online=_median_extra(results, "step_error_online"),
+        step_fit_restarts=_median_extra(results, "step_fit_restarts"),
         batch_searches=sum(len(run.searches) for run in runs) // len(runs) if size > 1 else None,
         best_draft_gain=_median_of(
             [
@@ -572,11 +574,12 @@ def format_batch_plans(records: list[Record]) -> str:
         "KnapSpec's batch plans: batch searches per run, items its speculating plans skipped, the best "
         "drafting plan's predicted batch tokens/s over AR's (where the DP ran; else the optimistic bound that "
         "spared it), its predicted vs measured tokens/s, the search's share of decode, and the mean error of "
-        "the step time predicted before each step by the latency table and by the online fit:",
+        "the step time predicted before each step by the latency table and by the online fit, and how often "
+        "the fit restarted from a run of steps it missed the same way:",
         "",
         "| doc | context | strategy | batch | searches | attn skipped | MLP skipped | best draft / AR | its α "
-        "| bound / AR | predicted tok/s | measured tok/s | search share | step error, table | step error, online |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| bound / AR | predicted tok/s | measured tok/s | search share | step error, table | step error, online | fit restarts |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in sorted(rows, key=lambda r: (r.doc_id, r.context_tokens, r.strategy, r.batch_size)):
         predicted = r.predicted_tpt * r.batch_size if r.predicted_tpt is not None else None
@@ -585,7 +588,7 @@ def format_batch_plans(records: list[Record]) -> str:
             f"| {cell(r.skipped_attn, '.1f')} | {cell(r.skipped_mlp, '.1f')} | {cell(r.best_draft_gain, '.2f')} "
             f"| {cell(r.best_draft_alpha, '.2f')} | {cell(r.draft_bound_gain, '.2f')} | {cell(predicted, '.1f')} | {r.tokens_per_s:.1f} "
             f"| {cell(r.dp_overhead_frac, '.1%')} | {cell(r.step_error_table, '.0%')} "
-            f"| {cell(r.step_error_online, '.0%')} |"
+            f"| {cell(r.step_error_online, '.0%')} | {cell(r.step_fit_restarts, '.0f')} |"
         )
     return "\n".join(lines)
 

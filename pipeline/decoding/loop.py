@@ -117,6 +117,7 @@ def decode_batch(model: SublayerModel, requests: Sequence[DecodingRequest]) -> l
     if errors is not None:  # the batch's, reported with each of its requests
         for result in results:
             result.extra["step_error_table"], result.extra["step_error_online"] = errors
+            result.extra["step_fit_restarts"] = budget.cost.num_changes
     return results
 
 
