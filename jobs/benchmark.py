@@ -216,13 +216,15 @@ def run_batch(
         )
         for p, f in zip(prompts, prefilled)
     ]
-    searched = len(engine.batch_searches(strategy))
+    searched = engine.num_batch_searches(strategy)
     started = time.perf_counter()
     results = decode_batch(engine.model, requests)
     decode_s = time.perf_counter() - started
     for request in requests:  # a live slot and its pool refer to each other: released, the pool goes at once
         pool.release(request.cache)
-    return BatchRun(results, decode_s, sum(f.seconds for f in prefilled), engine.batch_searches(strategy)[searched:])
+    new = engine.num_batch_searches(strategy) - searched
+    searches = engine.batch_searches(strategy)[-new:] if new else []
+    return BatchRun(results, decode_s, sum(f.seconds for f in prefilled), searches)
 
 
 def _alone(

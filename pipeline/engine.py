@@ -237,8 +237,13 @@ class Engine:
         return self._batch_planners[key]
 
     def batch_searches(self, strategy: str) -> list[dict]:
-        """What `strategy`'s batch planners chose and predicted, search by search, oldest first."""
+        """What `strategy`'s batch planners chose and predicted, search by search, oldest first
+        (the last knapspec.batch_plan.SEARCHES_KEPT of each planner)."""
         return [s for (name, _), planner in self._batch_planners.items() if name == strategy for s in planner.searches]
+
+    def num_batch_searches(self, strategy: str) -> int:
+        """How many batch searches `strategy`'s planners have made, kept or not."""
+        return sum(planner.num_searches for (name, _), planner in self._batch_planners.items() if name == strategy)
 
     def drafter(self, strategy: StrategyConfig) -> Drafter:
         build = REGISTRY[strategy.name].build

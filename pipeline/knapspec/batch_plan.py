@@ -55,6 +55,8 @@ MAX_SAMPLED_REQUESTS = 4
 MIN_TOKENS_PER_REQUEST = 2
 # Batch steps timed before the first batch search.
 MIN_TIMED_STEPS = 4
+# Searches whose record a planner keeps (a replica's planner lives as long as its job).
+SEARCHES_KEPT = 1024
 
 
 @dataclass(frozen=True)
@@ -187,8 +189,9 @@ class BatchPlanner:
         self._steps = 0
         self._members: set[int] = set()  # ids of the drafters that hold the current plan
         self._warmup: DraftPlan | None = None  # plain decoding while the first steps are timed
-        # What the searches chose and predicted, for the benchmark's report.
-        self.searches: list[dict] = []
+        # What the last SEARCHES_KEPT searches chose and predicted, for the benchmark's report.
+        self.searches: deque[dict] = deque(maxlen=SEARCHES_KEPT)
+        self.num_searches = 0  # all of them
         self.num_postponed = 0
         # Measured / predicted seconds of this planner's searches (a batch search has more calls
         # per row than a request's: the single-request correction does not carry over).
@@ -349,6 +352,7 @@ class BatchPlanner:
         for r in requests:  # the search is every member's: each carries its share of the time
             layer_drafter(r.drafter).optimize_s += share
         attn, mlp = items.count_kinds(plan.skip or ())
+        self.num_searches += 1
         self.searches.append(
             {
                 "batch": len(contexts),

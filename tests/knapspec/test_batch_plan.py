@@ -14,6 +14,7 @@ from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest
 from pipeline.decoding.step_cost import StepCost
+from pipeline.knapspec import batch_plan
 from pipeline.knapspec.batch_latency import BatchLatency, BatchShape
 from pipeline.knapspec.batch_plan import (
     BatchCandidate,
@@ -303,8 +304,26 @@ def test_the_batch_search_is_skipped_when_not_even_a_perfect_draft_would_pay(tin
             DecodingRequest(prefill(model, prompt, 12), DecodeConfig(12), SamplingParams(), drafter(), prompt.tolist())
         )
     planner.prepare(model, requests, None)
-    assert planner.plan.use_ar and planner.searches == [planner.searches[0]]
+    assert planner.plan.use_ar and len(planner.searches) == planner.num_searches == 1
     assert not planner.searches[0]["searched"]
     assert all(r.drafter._adopted and r.drafter.plan is planner.plan for r in requests)
     planner.prepare(model, requests[:1], None)  # alone: the request plans for itself
     assert not requests[0].drafter._adopted
+
+
+def test_a_planner_keeps_the_record_of_its_last_searches_only(tiny_llama, monkeypatch):
+    """A replica's planner lives as long as its job: its record of searches is bounded, its count not."""
+    monkeypatch.setattr(batch_plan, "SEARCHES_KEPT", 2)
+    _, model = load_tiny(tiny_llama)
+    dear = dataclasses.replace(batch_table(model.spec.num_layers), verify_ratios=tuple(1.0 + k for k in range(11)))
+    planner, drafter = planned_batch(model, dear)
+    requests = []
+    for seed in range(2):
+        prompt = repeating_prompt(30, seed)
+        requests.append(
+            DecodingRequest(prefill(model, prompt, 12), DecodeConfig(12), SamplingParams(), drafter(), prompt.tolist())
+        )
+    for _ in range(5):
+        planner.plan = None  # due for a new plan
+        planner.prepare(model, requests, None)
+    assert planner.num_searches == 5 and len(planner.searches) == 2
