@@ -143,25 +143,31 @@ def softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.softmax(scores.float(), dim=-1).to(dtype)
 
 
-def pooled_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout, num_kv_heads: int
-) -> torch.Tensor:
+def pooled_attention(q: torch.Tensor, layout, layer: int, num_kv_heads: int) -> torch.Tensor:
     """Attention of the short blocks of many requests at once, over their slots of one pool.
 
-    q: [R, H, head_dim], already scaled, the rows of `layout` (packing.PooledRows). keys/values:
-    [slots * kv_heads, slot_capacity, head_dim] (KVPool.layer), their rows already written.
-    Each slot's queries are padded to `layout.block` rows; key positions a query must not see
-    (past its own, or past its request's) are masked. Returns [R, H * head_dim].
+    q: [R, H, head_dim], already scaled, the rows of `layout` (packing.PooledRows), whose keys
+    and values are already written into layer `layer` of its pool. Each run of neighbouring
+    slots is one call over its own keys (KVPool.layer); each slot's queries are padded to
+    `layout.block` rows, and key positions a query must not see (past its own, or past its
+    request's) are masked. Returns [R, H * head_dim].
     """
-    num_slots = layout.end - layout.first
     _, num_heads, head_dim = q.shape
     groups = num_heads // num_kv_heads
-    block, num_keys = layout.block, layout.num_keys
-    padded = q[layout.padded].view(num_slots, block, num_kv_heads, groups, head_dim)
-    rows = padded.permute(0, 2, 3, 1, 4).reshape(num_slots * num_kv_heads, groups * block, head_dim)
-    scores = torch.bmm(rows, keys[:, :num_keys].transpose(1, 2))
-    scores = scores.view(num_slots, num_kv_heads, groups, block, num_keys).masked_fill_(layout.hidden, float("-inf"))
-    probs = softmax(scores, values.dtype)
-    out = torch.bmm(probs.view(num_slots * num_kv_heads, groups * block, num_keys), values[:, :num_keys])
-    out = out.view(num_slots, num_kv_heads, groups, block, head_dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(num_slots * block, num_heads * head_dim)[layout.back]
+    block = layout.block
+    padded = q[layout.padded]
+    outs = []
+    at = 0
+    for run in layout.runs:
+        num_slots, num_keys = run.end - run.first, run.num_keys
+        keys, values = layout.pool.layer(layer, run.first, run.end)  # [slots * kv_heads, capacity, head_dim]
+        part = padded[at : at + num_slots * block].view(num_slots, block, num_kv_heads, groups, head_dim)
+        at += num_slots * block
+        rows = part.permute(0, 2, 3, 1, 4).reshape(num_slots * num_kv_heads, groups * block, head_dim)
+        scores = torch.bmm(rows, keys[:, :num_keys].transpose(1, 2))
+        scores = scores.view(num_slots, num_kv_heads, groups, block, num_keys).masked_fill_(run.hidden, float("-inf"))
+        probs = softmax(scores, values.dtype)
+        out = torch.bmm(probs.view(num_slots * num_kv_heads, groups * block, num_keys), values[:, :num_keys])
+        out = out.view(num_slots, num_kv_heads, groups, block, head_dim).permute(0, 3, 1, 2, 4)
+        outs.append(out.reshape(num_slots * block, num_heads * head_dim))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs))[layout.back]

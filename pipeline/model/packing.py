@@ -57,22 +57,50 @@ def packed_logits(
     return [next(parts) if block else None for block in rows]
 
 
+# Idle slots (free, or holding a request that is not in this step) between two pooled requests
+# are split off when they would read this many keys or more: an idle slot inside one attention
+# call costs a whole request's attention, a second call only a few more kernel launches.
+MIN_GAP_KEYS = 512
+
+
+@dataclass(frozen=True)
+class SlotRun:
+    """Pool slots [first, end) that one attention call serves, over their first `num_keys` keys."""
+
+    first: int
+    end: int
+    num_keys: int
+    hidden: torch.Tensor  # [end - first, 1, 1, block, num_keys]: True where a query must not look
+
+
 @dataclass(frozen=True)
 class PooledRows:
     """The short blocks (decode, verify) of a batch whose caches are slots of one pool, laid out
-    for one attention over slots [first, end): each slot's queries padded to `block` rows."""
+    for attention over runs of neighbouring slots (`runs`, one call each): each slot's queries
+    padded to `block` rows, the runs' slots one after another."""
 
     pool: KVPool
-    first: int
-    end: int
     rows: torch.Tensor  # [R]: their rows in the packed batch
     slots: torch.Tensor  # [R]: each row's slot, and its position there (where its K/V go)
     positions: torch.Tensor
-    padded: torch.Tensor  # [(end - first) * block]: which of the R rows fills each padded row
+    padded: torch.Tensor  # [Σ run slots * block]: which of the R rows fills each padded row
     back: torch.Tensor  # [R]: each row's place among the padded rows
-    hidden: torch.Tensor  # [end - first, 1, 1, block, num_keys]: True where a query must not look
     block: int
-    num_keys: int
+    runs: tuple[SlotRun, ...]
+
+
+def slot_runs(slots_keys: Sequence[tuple[int, int]], min_gap_keys: int = MIN_GAP_KEYS) -> list[tuple[int, int, int]]:
+    """(first, end, keys) runs over (slot, keys) pairs sorted by slot: neighbours share a run
+    unless the idle slots between them would read `min_gap_keys` keys or more."""
+    runs: list[list[int]] = []
+    for slot, keys in slots_keys:
+        if runs:
+            first, end, most = runs[-1]
+            if (slot - end) * max(most, keys) < min_gap_keys:
+                runs[-1] = [first, slot + 1, max(most, keys)]
+                continue
+        runs.append([slot, slot + 1, keys])
+    return [(first, end, keys) for first, end, keys in runs]
 
 
 def pooled_rows(spans: Sequence[tuple[KVCache, int, int]], max_rows: int) -> tuple[PooledRows | None, list[int]]:
@@ -84,35 +112,41 @@ def pooled_rows(spans: Sequence[tuple[KVCache, int, int]], max_rows: int) -> tup
         return None, list(range(len(spans)))
     pool = spans[pooled[0]][0].pool
     device = pool.keys.device
-    first = min(spans[i][0].slot for i in pooled)
-    end = max(spans[i][0].slot for i in pooled) + 1
     block = max(spans[i][2] for i in pooled)
-    num_keys = max(spans[i][1] + spans[i][2] for i in pooled)
+    # Rows stay in the batch's order (a forward whose rows are all pooled takes the output as is).
+    runs = slot_runs(sorted((spans[i][0].slot, spans[i][1] + spans[i][2]) for i in pooled))
+    # Each slot's place among the runs' slots, laid one run after another.
+    base: dict[int, int] = {}
+    for first, end, _ in runs:
+        for slot in range(first, end):
+            base[slot] = len(base)
     offsets = [0, *itertools.accumulate(n for _, _, n in spans)]
     rows, slots, positions, back = [], [], [], []
-    padded = [0] * ((end - first) * block)  # idle slots and padding read row 0: finite, then dropped
+    padded = [0] * (len(base) * block)  # idle slots and padding read row 0: finite, then dropped
     # Every padded query may look at key 0 (a softmax over nothing would be NaN); a real one at
     # its prefix and its block up to itself.
-    limit = [[0] * block for _ in range(end - first)]
+    limit = [[0] * block for _ in range(len(base))]
     for i in pooled:
         cache, start, n = spans[i]
         for t in range(n):
-            place = (cache.slot - first) * block + t
+            place = base[cache.slot] * block + t
             back.append(place)
             padded[place] = len(rows)
             rows.append(offsets[i] + t)
             slots.append(cache.slot)
             positions.append(start + t)
-            limit[cache.slot - first][t] = start + t
-    keys = torch.arange(num_keys, device=device)
-    hidden = keys > torch.tensor(limit, device=device)[..., None]  # [slots, block, num_keys]
+            limit[base[cache.slot]][t] = start + t
+    limits = torch.tensor(limit, device=device)[..., None]  # [slots, block, 1]
+    layout_runs = []
+    for first, end, keys in runs:
+        hidden = torch.arange(keys, device=device) > limits[base[first] : base[first] + end - first]
+        layout_runs.append(SlotRun(first, end, keys, hidden[:, None, None]))
 
     def index(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
     layout = PooledRows(
-        pool, first, end, index(rows), index(slots), index(positions), index(padded), index(back),
-        hidden[:, None, None], block, num_keys,
+        pool, index(rows), index(slots), index(positions), index(padded), index(back), block, tuple(layout_runs)
     )  # fmt: skip
     return layout, [i for i in range(len(spans)) if i not in set(pooled)]
 

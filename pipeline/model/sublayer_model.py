@@ -231,14 +231,13 @@ class SublayerModel:
         )
 
     def _attend_pooled(self, index: int, q, k, v, pooled: PooledRows, every_row: bool) -> torch.Tensor:
-        """The pooled rows' keys/values into their slots, then one attention over the slots."""
+        """The pooled rows' keys/values into their slots, then attention over runs of the slots."""
         if not every_row:
             q, k, v = q[pooled.rows], k[pooled.rows], v[pooled.rows]
         pool = pooled.pool
         pool.keys[index][pooled.slots, :, pooled.positions] = k
         pool.values[index][pooled.slots, :, pooled.positions] = v
-        keys, values = pool.layer(index, pooled.first, pooled.end)
-        return pooled_attention(q * self._scale, keys, values, pooled, self.spec.num_kv_heads)
+        return pooled_attention(q * self._scale, pooled, index, self.spec.num_kv_heads)
 
     def batch_logits(self, h: torch.Tensor, wanted: Sequence[str], sizes: Sequence[int]) -> list[torch.Tensor | None]:
         """The LM head once over the packed rows [M, d] that need logits, split back per request."""

@@ -90,6 +90,40 @@ def test_requests_in_one_kv_pool_attend_together(tiny_checkpoint, mode):
         torch.testing.assert_close(t.values[:, :, :end], a.values[:, :, :end], **tolerance)
 
 
+def test_idle_slots_far_apart_split_the_pooled_attention(tiny_llama):
+    """Requests in slots 0, 1, 5 and 7 of a pool: the three idle slots between 1 and 5 would read
+    ~300 keys each, so the attention is two calls, slots 0-1 and 5-7 (the one idle slot 6 kept:
+    cheaper than a third call), each over its own longest context; all as if each ran alone,
+    in whatever order the batch has them."""
+    from pipeline.model.packing import pooled_rows, slot_runs
+
+    assert slot_runs([(0, 300), (1, 40), (5, 280), (7, 30)], 512) == [(0, 2, 300), (5, 8, 280)]
+    assert slot_runs([(2, 10), (9, 10)], 512) == [(2, 10, 10)]  # 7 idle slots of 10 keys: one call
+    _, model = load_tiny(tiny_llama)
+    lengths = {0: 300, 1: 40, 5: 280, 7: 30}
+    rows = {0: ids(30, 1), 1: ids(31, 4), 5: ids(35, 1), 7: ids(37, 3)}
+    pool = model.new_pool(8, 320)
+    together, placeholders = {}, []
+    for slot in range(8):
+        if slot in lengths:
+            together[slot] = pool.adopt(prefilled(model, ids(slot, lengths[slot]), room=8))
+        else:
+            placeholders.append(pool.acquire(10))
+    for placeholder in placeholders:
+        pool.release(placeholder)
+    assert [c.slot for c in together.values()] == list(lengths)
+    order = [7, 1, 5, 0]  # the batch's rows in another order than their slots
+    blocks = [RequestRows(together[slot], rows[slot], together[slot].length) for slot in order]
+    layout, own = pooled_rows([(b.cache, b.start, b.token_ids.numel()) for b in blocks], 16)
+    assert not own and [(r.first, r.end, r.num_keys) for r in layout.runs] == [(0, 2, 301), (5, 8, 281)]
+    got = model.forward_batch(blocks)
+    for g, slot in zip(got, order):
+        alone = prefilled(model, ids(slot, lengths[slot]), room=8)
+        expected = model.forward(alone, rows[slot], alone.length, logits="all").logits
+        torch.testing.assert_close(g, expected, atol=1e-5, rtol=1e-5)
+        assert_same_greedy(g, expected)
+
+
 def test_each_block_takes_the_kernel_it_takes_alone():
     from pipeline.model.packing import kernel_ranges
 
