@@ -22,6 +22,7 @@ from actors.metrics import ReplicaMetrics
 from actors.profiler import start_profilers
 from actors.shard import reserve, stage_bundles
 from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.stats import BusyClock, ReplicaUsage
 from pipeline.engine import REGISTRY, Engine, EngineConfig, StrategyConfig
 from pipeline.errors import ConfigError
 from pipeline.logs import configure_worker_logging
@@ -73,6 +74,7 @@ class EngineReplica:
         if REGISTRY[strategy.name].build is not None:
             self.lanes = [BatchingThread(self.engine.batcher(max_batch))]
         self._one_at_a_time = threading.Lock()
+        self.busy = BusyClock()
         self._start_metrics()
         self.load_s = time.perf_counter() - started
 
@@ -96,6 +98,11 @@ class EngineReplica:
             "calibration_residual": self._calibration_residual(),
         }
 
+    def usage(self) -> dict:
+        """The wall time this replica held requests and what it served (stats.ReplicaUsage.to_dict):
+        its own throughput, which a batch's overlapping per-request decode times are not."""
+        return self.busy.usage().to_dict()
+
     def _calibration_residual(self) -> float | None:
         """The worst fit residual of the stored table this replica's search uses (None: none used)."""
         from profiling.calibration import CalibrationStore
@@ -116,6 +123,7 @@ class EngineReplica:
         prompt = torch.tensor(prompt_ids, dtype=torch.long)
         if self.metrics is not None:
             self.metrics.start(self.replica_name)
+        self.busy.start()
         stats = None
         try:
             if self.lanes:
@@ -126,6 +134,7 @@ class EngineReplica:
                     result = self.engine.generate(prompt, self.strategy, max_new_tokens, params)
             stats = result.stats.to_dict()
         finally:
+            self.busy.finish(result.stats if stats is not None else None)
             if self.metrics is not None:
                 self.metrics.finish(self.replica_name, stats)
         return {"token_ids": result.token_ids, "finish_reason": result.finish_reason, "stats": stats, "extra": result.extra}
@@ -207,6 +216,7 @@ class PipelineReplica(EngineReplica):
         self.strategy = strategy
         self.max_batch = max_batch
         self.lanes = [BatchingThread(self.engine.batcher(max_batch), name=f"lane-{k}") for k in range(num_stages)]
+        self.busy = BusyClock()
         self._start_metrics()
         self.load_s = time.perf_counter() - started
         self.num_threads = num_threads
@@ -373,6 +383,18 @@ class ReplicaPool:
     @property
     def max_context(self) -> int:
         return self.infos[0]["max_context"]
+
+    def usage(self, timeout_s: float = 30.0) -> ReplicaUsage:
+        """The replicas' busy time and what they served, summed (EngineReplica.usage). A replica
+        that does not answer is left out (logged); one restarted by Ray counts from its restart."""
+        calls = [h.usage.remote() for h in self.handles]
+        total = ReplicaUsage()
+        for name, call in zip(self.names, calls):
+            try:
+                total += ReplicaUsage.from_dict(ray.get(call, timeout=timeout_s))
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                logger.warning("Replica %s gave no usage (%s): left out of the throughput", name, type(e).__name__)
+        return total
 
     def shutdown(self) -> None:
         for handle in self.handles:

@@ -30,6 +30,7 @@ from ray.data import ActorPoolStrategy
 from actors.progress import ProgressReporter, start_progress
 from actors.replica import DATA_CPUS, USER_TASK_CPUS, ReplicaPool, ReplicaResources
 from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.stats import ReplicaUsage
 from pipeline.engine import DEFAULT_MAX_BATCH, EngineConfig, StrategyConfig
 from pipeline.errors import ConfigError
 from pipeline.model import checkpoint
@@ -145,6 +146,11 @@ class Summarizer:
         """A context that shows the run while the dataset executes inside it: a live bar and one
         line per finished document (`total`: the documents expected, for the time left)."""
         return ProgressReporter(self.progress_actor, total)
+
+    def usage(self) -> ReplicaUsage:
+        """The replicas' busy time and what they served so far: documents per hour per replica
+        (ReplicaUsage.line) where the closing table's per-request rates overlap in a batch."""
+        return self.pool.usage()
 
     def shutdown(self) -> None:
         """Stop the replicas; a dataset built on this summarizer cannot run after it."""

@@ -268,6 +268,9 @@ def run(args: argparse.Namespace) -> int:
         sink = SummarySink(args.output / OUTPUT_NAME)
         with summarize.progress(_expected_rows(id_counts, num_rows, args, resume.done_ids)):
             summarize(documents, duplicates).write_datasink(sink, ray_remote_args={"num_cpus": DATA_TASK_CPUS})
+        # The replicas' own account: in a batch the requests' decode times overlap, so the table's
+        # per-request tokens/s is no throughput; tokens over the replicas' busy time are.
+        usage = summarize.usage()
     finally:
         if summarize is not None:
             summarize.shutdown()
@@ -278,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nWrote {totals.rows} rows to {args.output / OUTPUT_NAME} in {wall_s:.0f} s", end="")
     print(f" ({len(resume.done_ids)} ids done earlier)" if resume.done_ids else "")
     print(totals.table(wall_s))
+    print(usage.line(totals.ok))
     for line in totals.first_errors:
         print(f"  error row {line}")
     return 0

@@ -8,6 +8,7 @@ the real embedded model on a bundled document.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -95,6 +96,11 @@ def test_one_output_row_per_input_row(bad_rows_parquet, tiny_chat_checkpoint, tm
     assert any(" short ok, 1 chunk(s)" in line for line in lines)
     assert any(" empty error: text is empty" in line for line in lines)
     assert all("requests in flight" in line and "tokens/s generated" in line for line in lines)
+    # The replicas' own account: their busy time, and every chunk and reduce request they served.
+    usage = re.search(r"2 replicas busy \d+ s each: [\d.]+ tokens/s generated, [\d.]+ documents per hour "
+                      r"\(per replica, prefill included; (\d+) requests\)", result.stdout)
+    assert usage, result.stdout
+    assert int(usage.group(1)) >= sum(r["num_chunks"] for r in out if r["status"] == "ok")
 
 
 def test_resume_after_a_killed_run_writes_each_id_once(tiny_chat_checkpoint, tmp_path):
