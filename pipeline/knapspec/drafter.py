@@ -58,11 +58,12 @@ class KnapSpecDrafter(ReplanningDrafter):
 
     def search_branches(self, context: int, steps_left: int) -> int | None:
         """The branch cap that keeps a search within its share of the decode time it plans
-        for: the configured cap when that fits, fewer when not, 0 when not even one does."""
+        for: the configured cap when that fits, fewer when not, 0 when not even one does.
+        `steps_left`: the request's tokens left, decoded at the engine's recent tokens per step."""
         cap, share = self.config.max_branches, self.config.max_search_share
         if share is None:
             return cap
-        steps = min(self._interval(), max(steps_left, 1))
+        steps = min(self._interval(), max(steps_left / self.history.tokens_per_step(), 1.0))
         budget = share * steps * self.latency.t_verify(1, context)
         scale = self.history.search_cost_scale()
         # Uncapped, the DP keeps at most one cell per budget: half the total weight, + 1.

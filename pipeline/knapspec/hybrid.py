@@ -119,6 +119,7 @@ class KnapSpecLookupDrafter:
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         if self._used_lookup:
+            self.knapspec.history.step_tokens.append(num_accepted + 1)  # (the knapspec drafter notes its own)
             self.num_lookup_steps += 1
             self.num_lookup_drafted += num_drafted
             self.num_lookup_accepted += num_accepted

@@ -71,6 +71,10 @@ class KnapSpecConfig:
             raise ConfigError(f"max_search_share must be in (0, 1] or None, got {self.max_search_share}")
 
 
+# Decode steps whose tokens a SearchHistory remembers: a few requests' worth.
+STEP_TOKENS_KEPT = 256
+
+
 class SearchHistory:
     """Verdicts of the searches of one engine's requests, oldest first.
 
@@ -83,10 +87,19 @@ class SearchHistory:
     def __init__(self, max_len: int = 64) -> None:
         self.verdicts: deque[tuple[tuple[int, ...], bool]] = deque(maxlen=max_len)  # (item weights, chose AR)
         self.search_cost_ratios: deque[float] = deque(maxlen=16)  # measured / estimated search seconds
+        # Tokens each recent decode step emitted (its accepted draft and its own token): a search's
+        # budget is a share of the decode time left, and a request whose drafts are accepted
+        # (copied ones above all) decodes its tokens in fewer steps than it has tokens left.
+        self.step_tokens: deque[int] = deque(maxlen=STEP_TOKENS_KEPT)
 
     def search_cost_scale(self) -> float:
         """How much dearer than estimated this engine's searches have been (median; 1.0 before any)."""
         return statistics.median(self.search_cost_ratios) if self.search_cost_ratios else 1.0
+
+    def tokens_per_step(self) -> float:
+        """Mean tokens per decode step of this engine's recent requests (1.0 before any)."""
+        tokens = list(self.step_tokens)  # one copy: a pipelined replica's lanes append from their threads
+        return statistics.fmean(tokens) if tokens else 1.0
 
     def record(self, weights: tuple[int, ...], chose_ar: bool) -> None:
         self.verdicts.append((weights, chose_ar))
@@ -173,6 +186,7 @@ class ReplanningDrafter:
             self.plan, self._drafter = None, None
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
+        self.history.step_tokens.append(num_accepted + 1)
         self._steps_since_plan += 1
         self._drafted += num_drafted
         self._accepted += num_accepted

@@ -240,6 +240,19 @@ def test_search_budget_sets_the_branch_cap():
     assert drafter.search_branches(context=100, steps_left=500) == 0
 
 
+def test_search_budget_counts_the_steps_left_not_the_tokens():
+    """Where the engine's recent steps emitted two tokens each (accepted drafts), 80 tokens left
+    are 40 steps of decoding: the search gets the budget of 40 steps, not of 64."""
+    lat = synthetic_latency(8, verify_growth=0.0)
+    bounded = replace(SEARCH_CONFIG, max_search_share=0.05, reoptimize_every=64, max_branches=4)
+    drafter = KnapSpecDrafter(lat, bounded)
+    assert drafter.search_branches(context=100, steps_left=80) == 3
+    for accepted in (0, 2, 1, 1):  # each step: accepted drafted tokens, plus the model's own
+        drafter.observe(num_drafted=2, num_accepted=accepted)
+    assert drafter.history.tokens_per_step() == 2.0
+    assert drafter.search_branches(context=100, steps_left=80) == 1
+
+
 def test_short_requests_postpone_the_search_and_stay_exact(tiny_deep_llama, monkeypatch):
     from pipeline.knapspec import drafter as knapspec
 
