@@ -22,7 +22,7 @@ from actors.metrics import ReplicaMetrics
 from actors.profiler import start_profilers
 from actors.shard import reserve, stage_bundles
 from pipeline.decoding.sampling import SamplingParams
-from pipeline.decoding.stats import BusyClock, ReplicaUsage
+from pipeline.decoding.stats import BusyClock
 from pipeline.engine import REGISTRY, Engine, EngineConfig, StrategyConfig
 from pipeline.errors import ConfigError
 from pipeline.logs import configure_worker_logging
@@ -383,18 +383,6 @@ class ReplicaPool:
     @property
     def max_context(self) -> int:
         return self.infos[0]["max_context"]
-
-    def usage(self, timeout_s: float = 30.0) -> ReplicaUsage:
-        """The replicas' busy time and what they served, summed (EngineReplica.usage). A replica
-        that does not answer is left out (logged); one restarted by Ray counts from its restart."""
-        calls = [h.usage.remote() for h in self.handles]
-        total = ReplicaUsage()
-        for name, call in zip(self.names, calls):
-            try:
-                total += ReplicaUsage.from_dict(ray.get(call, timeout=timeout_s))
-            except (ray.exceptions.RayError, TimeoutError) as e:
-                logger.warning("Replica %s gave no usage (%s): left out of the throughput", name, type(e).__name__)
-        return total
 
     def shutdown(self) -> None:
         for handle in self.handles:

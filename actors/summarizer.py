@@ -147,10 +147,19 @@ class Summarizer:
         line per finished document (`total`: the documents expected, for the time left)."""
         return ProgressReporter(self.progress_actor, total)
 
-    def usage(self) -> ReplicaUsage:
-        """The replicas' busy time and what they served so far: documents per hour per replica
-        (ReplicaUsage.line) where the closing table's per-request rates overlap in a batch."""
-        return self.pool.usage()
+    def usage(self, timeout_s: float = 30.0) -> ReplicaUsage:
+        """The replicas' busy time and what they served so far, summed (EngineReplica.usage): the
+        documents per hour per replica (ReplicaUsage.line) that the closing table's overlapping
+        per-request rates are not. A replica that does not answer is left out (logged); one
+        restarted by Ray counts from its restart."""
+        calls = [h.usage.remote() for h in self.pool.handles]
+        total = ReplicaUsage()
+        for name, call in zip(self.pool.names, calls):
+            try:
+                total += ReplicaUsage.from_dict(ray.get(call, timeout=timeout_s))
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                logger.warning("Replica %s gave no usage (%s): left out of the throughput", name, type(e).__name__)
+        return total
 
     def shutdown(self) -> None:
         """Stop the replicas; a dataset built on this summarizer cannot run after it."""

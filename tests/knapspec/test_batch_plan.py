@@ -293,16 +293,23 @@ def test_requests_join_the_batch_plan_and_plan_alone_when_left_alone(tiny_deep_l
     assert len(planner.searches) < batcher.steps
 
 
-def test_the_batch_search_is_skipped_when_not_even_a_perfect_draft_would_pay(tiny_llama):
-    _, model = load_tiny(tiny_llama)
+def dear_verify_batch(model, count: int):
+    """A planner whose table makes every verify row cost a whole forward, and `count` prefilled
+    requests drafting with it."""
     dear = dataclasses.replace(batch_table(model.spec.num_layers), verify_ratios=tuple(1.0 + k for k in range(11)))
     planner, drafter = planned_batch(model, dear)
     requests = []
-    for seed in range(3):
+    for seed in range(count):
         prompt = repeating_prompt(30, seed)
         requests.append(
             DecodingRequest(prefill(model, prompt, 12), DecodeConfig(12), SamplingParams(), drafter(), prompt.tolist())
         )
+    return planner, requests
+
+
+def test_the_batch_search_is_skipped_when_not_even_a_perfect_draft_would_pay(tiny_llama):
+    _, model = load_tiny(tiny_llama)
+    planner, requests = dear_verify_batch(model, 3)
     planner.prepare(model, requests, None)
     assert planner.plan.use_ar and len(planner.searches) == planner.num_searches == 1
     assert not planner.searches[0]["searched"]
@@ -315,14 +322,7 @@ def test_a_planner_keeps_the_record_of_its_last_searches_only(tiny_llama, monkey
     """A replica's planner lives as long as its job: its record of searches is bounded, its count not."""
     monkeypatch.setattr(batch_plan, "SEARCHES_KEPT", 2)
     _, model = load_tiny(tiny_llama)
-    dear = dataclasses.replace(batch_table(model.spec.num_layers), verify_ratios=tuple(1.0 + k for k in range(11)))
-    planner, drafter = planned_batch(model, dear)
-    requests = []
-    for seed in range(2):
-        prompt = repeating_prompt(30, seed)
-        requests.append(
-            DecodingRequest(prefill(model, prompt, 12), DecodeConfig(12), SamplingParams(), drafter(), prompt.tolist())
-        )
+    planner, requests = dear_verify_batch(model, 2)
     for _ in range(5):
         planner.plan = None  # due for a new plan
         planner.prepare(model, requests, None)

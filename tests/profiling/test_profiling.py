@@ -360,10 +360,11 @@ def test_measure_on_a_tiny_model(tiny_model, caplog):
     positive = [*calibration.t_attn_measured, *calibration.t_verify_measured, latency.t_mlp, latency.t_fixed]
     assert all(math.isfinite(t) and t > 0 for t in positive)
     assert latency.attn_slope >= 0 and latency.attn_base >= 0 and latency.t_attn(64) > 0
-    # One search on four branches costs more than on one. (Whether one branch costs more than a
-    # forward is a timing of this machine, measured against another: not for a test to assert.)
-    assert latency.search_base >= 0 and latency.search_per_token > 0
-    assert latency.t_search(48, 64) > latency.t_search(12, 64) > 0
+    # One search on four branches costs no less than on one. (Strictly more, or more than a
+    # forward, are timings of this machine compared with each other: on a tiny model a search's
+    # cost per reference token can sit within the noise of a busy machine, and fit as zero.)
+    assert latency.search_base >= 0 and latency.search_per_token >= 0
+    assert latency.t_search(48, 64) >= latency.t_search(12, 64) > 0
     assert all(math.isfinite(r) and r >= 0 for r in calibration.fit_residuals.values())
     assert set(calibration.fit_residuals) == {"t_attn", "t_forward"}
     assert (calibration.model, calibration.dtype, calibration.layout) == ("tiny", "fp32", "pp1-tp1")
