@@ -137,8 +137,8 @@ class ReplicaUsage:
         return self.served.output_tokens / self.busy_s if self.busy_s > 0 else None
 
     def line(self, documents: int) -> str:
-        """`1 replica busy 312 s: 41.0 tokens/s generated, 23.1 documents per hour (per replica,
-        prefill included)` for `documents` finished over this busy time."""
+        """`2 replicas busy 312 s each: 41.0 tokens/s generated, 23.1 documents per hour (per
+        replica, prefill included; 58 requests)` for `documents` finished over this busy time."""
         if not self.replicas or self.busy_s <= 0:
             return "replicas: no busy time on record"
         per_hour = documents * 3600 / self.busy_s
