@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pipeline.model.short_attention import short_attention
+
 # Longer query blocks (prefill chunks) go through PyTorch's fused attention; short
 # ones (decode, verify) through the grouped product that never repeats K/V heads.
 FUSED_ATTENTION_MIN_TOKENS = 16
@@ -143,14 +145,29 @@ def softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.softmax(scores.float(), dim=-1).to(dtype)
 
 
-def pooled_attention(q: torch.Tensor, layout, layer: int, num_kv_heads: int) -> torch.Tensor:
+def kernel_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, num_kv_heads: int
+) -> torch.Tensor:
+    """grouped_attention's decode and verify case through the fused CPU kernel: q [T, H, head_dim],
+    already scaled, at [start, start + T) over keys/values [kv_heads, start + T, head_dim]
+    (the block's own written first) -> [T, H * head_dim]."""
+    num_tokens, num_heads, head_dim = q.shape
+    groups = num_heads // num_kv_heads
+    rows = q.view(num_tokens, num_kv_heads, groups, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv_heads, -1, head_dim)
+    seen = torch.arange(start + 1, start + num_tokens + 1, dtype=torch.int32).view(1, num_tokens)
+    out = short_attention(rows, keys, values, seen)  # [1, kv_heads, groups * T, head_dim]
+    return out.view(num_kv_heads, groups, num_tokens, head_dim).permute(2, 0, 1, 3).reshape(num_tokens, -1)
+
+
+def pooled_attention(q: torch.Tensor, layout, layer: int, num_kv_heads: int, kernel: bool = False) -> torch.Tensor:
     """Attention of the short blocks of many requests at once, over their slots of one pool.
 
     q: [R, H, head_dim], already scaled, the rows of `layout` (packing.PooledRows), whose keys
     and values are already written into layer `layer` of its pool. Each run of neighbouring
     slots is one call over its own keys (KVPool.layer); each slot's queries are padded to
     `layout.block` rows, and key positions a query must not see (past its own, or past its
-    request's) are masked. Returns [R, H * head_dim].
+    request's) are masked. `kernel`: through the fused CPU kernel (short_attention), which
+    gives each row the bits it gets alone. Returns [R, H * head_dim].
     """
     _, num_heads, head_dim = q.shape
     groups = num_heads // num_kv_heads
@@ -163,6 +180,12 @@ def pooled_attention(q: torch.Tensor, layout, layer: int, num_kv_heads: int) -> 
         keys, values = layout.pool.layer(layer, run.first, run.end)  # [slots * kv_heads, capacity, head_dim]
         part = padded[at : at + num_slots * block].view(num_slots, block, num_kv_heads, groups, head_dim)
         at += num_slots * block
+        if kernel:
+            rows = part.permute(0, 2, 3, 1, 4).reshape(num_slots, num_kv_heads, groups * block, head_dim)
+            out = short_attention(rows, keys, values, run.seen)
+            out = out.view(num_slots, num_kv_heads, groups, block, head_dim).permute(0, 3, 1, 2, 4)
+            outs.append(out.reshape(num_slots * block, num_heads * head_dim))
+            continue
         rows = part.permute(0, 2, 3, 1, 4).reshape(num_slots * num_kv_heads, groups * block, head_dim)
         scores = torch.bmm(rows, keys[:, :num_keys].transpose(1, 2))
         scores = scores.view(num_slots, num_kv_heads, groups, block, num_keys).masked_fill_(run.hidden, float("-inf"))

@@ -71,6 +71,7 @@ class SlotRun:
     end: int
     num_keys: int
     hidden: torch.Tensor  # [end - first, 1, 1, block, num_keys]: True where a query must not look
+    seen: torch.Tensor  # [end - first, block] int32: the keys each query row sees (the fused kernel's form)
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,8 @@ def pooled_rows(spans: Sequence[tuple[KVCache, int, int]], max_rows: int) -> tup
     layout_runs = []
     for first, end, keys in runs:
         hidden = torch.arange(keys, device=device) > limits[base[first] : base[first] + end - first]
-        layout_runs.append(SlotRun(first, end, keys, hidden[:, None, None]))
+        seen = (limits[base[first] : base[first] + end - first, :, 0] + 1).to(torch.int32)
+        layout_runs.append(SlotRun(first, end, keys, hidden[:, None, None], seen))
 
     def index(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)

@@ -28,6 +28,7 @@ from pipeline.model.layers import (
     fused_attention,
     group_queries,
     grouped_attention,
+    kernel_attention,
     later_in_block,
     pooled_attention,
     rms_norm,
@@ -43,6 +44,7 @@ from pipeline.model.packing import (
     packed_logits,
     pooled_rows,
 )
+from pipeline.model.short_attention import kernel_applies
 from pipeline.model.spec import ModelSpec
 from pipeline.model.weights import LayerWeights, read_weights
 
@@ -79,6 +81,9 @@ class SublayerModel:
         self._cos = torch.empty(0, 1, spec.head_dim, device=device)
         self._sin = torch.empty(0, 1, spec.head_dim, device=device)
         self._scale = spec.head_dim**-0.5
+        # Decode and verify attention through the fused CPU kernel (fp16w mode only: fp32 stays
+        # transformers' exact math).
+        self._kernel = kernel_applies(mode is ComputeMode.FP16W, torch.device(device), spec.head_dim)
         # Sums the residual updates of a tensor-parallel group (pipeline/parallel/tensor_parallel.py):
         # with a shard of the heads and MLP columns, o_proj and down_proj give partial sums.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -237,7 +242,7 @@ class SublayerModel:
         pool = pooled.pool
         pool.keys[index][pooled.slots, :, pooled.positions] = k
         pool.values[index][pooled.slots, :, pooled.positions] = v
-        return pooled_attention(q * self._scale, pooled, index, self.spec.num_kv_heads)
+        return pooled_attention(q * self._scale, pooled, index, self.spec.num_kv_heads, self._kernel)
 
     def batch_logits(self, h: torch.Tensor, wanted: Sequence[str], sizes: Sequence[int]) -> list[torch.Tensor | None]:
         """The LM head once over the packed rows [M, d] that need logits, split back per request."""
@@ -409,5 +414,7 @@ class SublayerModel:
         keys, values = cache.view(index, start + num_tokens)  # [kv_heads, n, head_dim]
         if num_tokens >= FUSED_ATTENTION_MIN_TOKENS:
             return fused_attention(q, keys, values, start, mask, self._scale)
+        if self._kernel:
+            return kernel_attention(q * self._scale, keys, values, start, self.spec.num_kv_heads)
         qg = group_queries(q[None] * self._scale, self.spec.num_kv_heads)
         return ungroup(grouped_attention(qg, keys, values, later=mask))

@@ -1,0 +1,253 @@
+// Attention of short query blocks (decode, verify) over a KV cache, for x86 CPUs with AVX2
+// and FMA: one pass over each key and value, the scores of every query row of a KV head
+// computed while its keys are in cache, softmax and the weighted sum of values fused
+// (flash decoding: chunks of keys in parallel, combined exactly at the end).
+//
+// Each row's result depends only on its query, its keys and their fixed chunking, never on
+// which other rows or requests share the call, so a request gives the same bits alone and
+// inside a batch.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Keys per task: a chunk's keys and values of one head (2 x 256 x head_dim floats) stay
+// in L2 while every query row of the head reads them.
+constexpr int64_t kChunk = 256;
+constexpr int64_t kRowTile = 4;
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// e^x for x <= 0 (scores less their maximum): 2^n p(r), Cephes' single-precision polynomial.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// The sums of a 4-row x 2-key tile's accumulators, as [r0k0, r0k1, r1k0, r1k1, ..., r3k1]:
+// every pair is summed in the same order wherever it lies in a tile.
+inline __m256 tile_sums(const __m256* a0, const __m256* a1) {
+  const __m256 h01 = _mm256_hadd_ps(_mm256_hadd_ps(a0[0], a1[0]), _mm256_hadd_ps(a0[1], a1[1]));
+  const __m256 h23 = _mm256_hadd_ps(_mm256_hadd_ps(a0[2], a1[2]), _mm256_hadd_ps(a0[3], a1[3]));
+  // h01 = [r0k0, r0k1, r1k0, r1k1] over lanes 0-3 | the same over lanes 4-7; h23 for rows 2, 3
+  const __m256 low = _mm256_permute2f128_ps(h01, h23, 0x20), high = _mm256_permute2f128_ps(h01, h23, 0x31);
+  return _mm256_add_ps(low, high);
+}
+
+// Scores of rows [m0, m0 + rows) against keys [0, num_keys) of a chunk, four rows by two
+// keys at a time (eight accumulators in flight); q holds whole tiles of rows (zero-padded).
+// An odd last key is paired with itself: a key's score never depends on its neighbour.
+template <int64_t D>
+void tile_scores(const float* q, const float* keys, int64_t key_stride, int64_t m0, int64_t rows,
+                 int64_t num_keys, float* scores) {
+  alignas(32) float sums[8];
+  for (int64_t j = 0; j < num_keys; j += 2) {
+    const float* k0 = keys + j * key_stride;
+    const float* k1 = j + 1 < num_keys ? k0 + key_stride : k0;
+    __m256 a0[kRowTile], a1[kRowTile];
+    for (int64_t i = 0; i < kRowTile; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d);
+      for (int64_t i = 0; i < kRowTile; ++i) {
+        const __m256 qi = _mm256_loadu_ps(q + (m0 + i) * D + d);
+        a0[i] = _mm256_fmadd_ps(qi, x0, a0[i]);
+        a1[i] = _mm256_fmadd_ps(qi, x1, a1[i]);
+      }
+    }
+    _mm256_store_ps(sums, tile_sums(a0, a1));
+    for (int64_t i = 0; i < rows; ++i) {
+      scores[(m0 + i) * kChunk + j] = sums[2 * i];
+      scores[(m0 + i) * kChunk + j + 1] = sums[2 * i + 1];  // the row's padding when j + 1 = num_keys
+    }
+  }
+}
+
+// One row's softmax numerators over a chunk, in place: e^(s - max) for its n keys and 0 up
+// to `reach` (the row tile's keys), with their max and sum.
+inline void row_softmax(float* s, int64_t n, int64_t reach, float* max_out, float* sum_out) {
+  float most = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) most = std::max(most, s[j]);
+  const __m256 m = _mm256_set1_ps(most);
+  const int64_t whole = n / 8 * 8;
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t j = 0; j < whole; j += 8) {
+    const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+    _mm256_storeu_ps(s + j, p);
+    total = _mm256_add_ps(total, p);
+  }
+  if (whole < n) {
+    alignas(32) float tail[8];
+    alignas(32) int32_t keep[8];
+    for (int64_t t = 0; t < 8; ++t) {
+      tail[t] = whole + t < n ? s[whole + t] : most;
+      keep[t] = whole + t < n ? -1 : 0;
+    }
+    __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_load_ps(tail), m));
+    p = _mm256_and_ps(p, _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(keep))));
+    _mm256_store_ps(tail, p);
+    for (int64_t t = 0; whole + t < n; ++t) s[whole + t] = tail[t];
+    total = _mm256_add_ps(total, p);
+  }
+  std::fill(s + n, s + std::max(n, reach), 0.0f);
+  *max_out = most;
+  *sum_out = hsum(total);
+}
+
+// The unnormalized weighted sums of values for rows [m0, m0 + rows) over keys [0, reach):
+// four rows share each load of a value, 16 of its floats at a time. A key past a row's own
+// has weight 0, and fma(0, v, acc) is acc: a row's sums do not depend on its tile.
+template <int64_t D>
+void tile_values(const float* scores, int64_t m0, int64_t rows, int64_t reach, const float* values,
+                 int64_t value_stride, float* out) {
+  const float* p[kRowTile];
+  for (int64_t i = 0; i < kRowTile; ++i) p[i] = scores + (m0 + std::min(i, rows - 1)) * kChunk;
+  for (int64_t b = 0; b < D; b += 16) {
+    __m256 acc[kRowTile][2];
+    for (int64_t i = 0; i < kRowTile; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < reach; ++j) {
+      const float* v = values + j * value_stride + b;
+      const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+      for (int64_t i = 0; i < kRowTile; ++i) {
+        const __m256 w = _mm256_broadcast_ss(p[i] + j);
+        acc[i][0] = _mm256_fmadd_ps(w, v0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(w, v1, acc[i][1]);
+      }
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      _mm256_storeu_ps(out + (m0 + i) * D + b, acc[i][0]);
+      _mm256_storeu_ps(out + (m0 + i) * D + b + 8, acc[i][1]);
+    }
+  }
+}
+
+template <int64_t D>
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                     const torch::Tensor& limits) {
+  const int64_t num_slots = q.size(0), num_heads = q.size(1), num_rows = q.size(2), block = limits.size(1);
+  const int64_t max_keys = limits.numel() ? limits.max().item<int32_t>() : 0;
+  const int64_t num_chunks = std::max<int64_t>((max_keys + kChunk - 1) / kChunk, 1);
+  auto options = q.options();
+  auto partial = torch::empty({num_slots * num_heads, num_chunks, num_rows, D}, options);
+  auto stats = torch::empty({num_slots * num_heads, num_chunks, num_rows, 2}, options);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
+  const int32_t* lp = limits.data_ptr<int32_t>();
+  float* pp = partial.data_ptr<float>();
+  float* sp = stats.data_ptr<float>();
+  const int64_t k_head = keys.stride(0), k_key = keys.stride(1);
+  const int64_t v_head = values.stride(0), v_key = values.stride(1);
+
+  at::parallel_for(0, num_slots * num_heads * num_chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(num_rows * kChunk + 8);  // + 8: an odd key's pair
+    std::vector<int64_t> counts(num_rows);
+    const int64_t tiled_rows = (num_rows + kRowTile - 1) / kRowTile * kRowTile;
+    std::vector<float> qtile(tiled_rows * D, 0.0f);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t head = task / num_chunks, chunk = task % num_chunks, slot = head / num_heads;
+      const int64_t first = chunk * kChunk;
+      std::copy(qp + head * num_rows * D, qp + (head + 1) * num_rows * D, qtile.begin());
+      const float* kh = kp + head * k_head + first * k_key;
+      const float* vh = vp + head * v_head + first * v_key;
+      for (int64_t m = 0; m < num_rows; ++m)
+        counts[m] = std::clamp<int64_t>(lp[slot * block + m % block] - first, 0, kChunk);
+      float* out = pp + (head * num_chunks + chunk) * num_rows * D;
+      float* st = sp + (head * num_chunks + chunk) * num_rows * 2;
+      for (int64_t m0 = 0; m0 < num_rows; m0 += kRowTile) {
+        const int64_t rows = std::min(kRowTile, num_rows - m0);
+        const int64_t reach = *std::max_element(counts.begin() + m0, counts.begin() + m0 + rows);
+        if (reach == 0) {
+          std::fill(out + m0 * D, out + (m0 + rows) * D, 0.0f);
+          for (int64_t m = m0; m < m0 + rows; ++m) st[2 * m] = -std::numeric_limits<float>::infinity(), st[2 * m + 1] = 0.0f;
+          continue;
+        }
+        tile_scores<D>(qtile.data(), kh, k_key, m0, rows, reach, scores.data());
+        for (int64_t m = m0; m < m0 + rows; ++m) {
+          if (counts[m] == 0) {
+            std::fill(scores.data() + m * kChunk, scores.data() + m * kChunk + reach, 0.0f);
+            st[2 * m] = -std::numeric_limits<float>::infinity(), st[2 * m + 1] = 0.0f;
+          } else {
+            row_softmax(scores.data() + m * kChunk, counts[m], reach, st + 2 * m, st + 2 * m + 1);
+          }
+        }
+        tile_values<D>(scores.data(), m0, rows, reach, vh, v_key, out);
+      }
+    }
+  });
+
+  auto result = torch::empty({num_slots, num_heads, num_rows, D}, options);
+  float* rp = result.data_ptr<float>();
+  at::parallel_for(0, num_slots * num_heads * num_rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t head = index / num_rows, m = index % num_rows;
+      float most = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < num_chunks; ++c)
+        most = std::max(most, sp[((head * num_chunks + c) * num_rows + m) * 2]);
+      float* out = rp + index * D;
+      std::fill(out, out + D, 0.0f);
+      if (most == -std::numeric_limits<float>::infinity()) continue;  // a row that sees no key
+      float total = 0.0f;
+      for (int64_t c = 0; c < num_chunks; ++c) {
+        const float* st = sp + ((head * num_chunks + c) * num_rows + m) * 2;
+        if (st[1] == 0.0f) continue;
+        const float w = std::exp(st[0] - most);
+        total += w * st[1];
+        const float* part = pp + ((head * num_chunks + c) * num_rows + m) * D;
+        for (int64_t d = 0; d < D; ++d) out[d] += w * part[d];
+      }
+      for (int64_t d = 0; d < D; ++d) out[d] /= total;
+    }
+  });
+  return result;
+}
+
+}  // namespace
+
+// q [slots, kv_heads, groups * T, head_dim] fp32 contiguous, already scaled: each KV head's
+// query heads, T rows each; keys and values [slots * kv_heads, >= keys seen, head_dim] fp32
+// with unit stride along head_dim; limits [slots, T] int32: row t of a slot's block attends
+// to its keys [0, limit). Returns [slots, kv_heads, groups * T, head_dim].
+torch::Tensor short_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor limits) {
+  TORCH_CHECK(q.dim() == 4 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "q: [S, H, M, D] fp32 contiguous");
+  TORCH_CHECK(keys.dim() == 3 && values.dim() == 3 && keys.stride(2) == 1 && values.stride(2) == 1,
+              "keys/values: [S * H, n, D] with unit stride along D");
+  TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && values.scalar_type() == torch::kFloat32, "keys/values: fp32");
+  TORCH_CHECK(keys.size(0) == q.size(0) * q.size(1) && values.size(0) == keys.size(0), "one key head per (slot, head)");
+  TORCH_CHECK(limits.dim() == 2 && limits.scalar_type() == torch::kInt32 && limits.is_contiguous() &&
+                  limits.size(0) == q.size(0) && limits.size(1) > 0 && q.size(2) % limits.size(1) == 0,
+              "limits: [S, T] int32, T dividing q's rows");
+  TORCH_CHECK(limits.numel() == 0 || limits.max().item<int32_t>() <= keys.size(1), "a limit past the keys");
+  switch (q.size(3)) {
+    case 16: return attend<16>(q, keys, values, limits);
+    case 32: return attend<32>(q, keys, values, limits);
+    case 64: return attend<64>(q, keys, values, limits);
+    case 128: return attend<128>(q, keys, values, limits);
+    default: TORCH_CHECK(false, "head_dim must be 16, 32, 64 or 128, got ", q.size(3));
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("short_attention", &short_attention); }

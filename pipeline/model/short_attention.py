@@ -1,0 +1,92 @@
+"""A fused CPU kernel for the attention of short query blocks (decode, verify), built on
+first use from `csrc/short_attention.cpp`.
+
+PyTorch's route — two batched matmuls around a softmax — reads a request's keys and
+values as MKL's small-matrix kernels do: one query row of a KV head (its three query
+heads) keeps the matmuls far from memory speed, and the scores make a round trip through
+memory between them. The kernel reads each key and value once, computes the scores of
+every query row of the head while the key is in cache, and fuses the softmax and the sum
+of values (flash decoding: chunks of keys in parallel, combined exactly).
+
+Only x86 CPUs with AVX2 and FMA take it (`torch.backends.cpu.get_cpu_capability()`), and
+only in the `fp16w` mode: `fp32` stays the exact reference of transformers' own math.
+`KNAPSPEC_SHORT_ATTENTION=0` turns it off. A machine that cannot build it (no C++
+compiler) falls back to the matmuls, with one warning. The build lands under
+`~/.cache/knapspec-ray/kernels/`, keyed by the source, the flags, PyTorch's version and the
+CPU's capability, so a machine with another CPU builds its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "short_attention.cpp"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
+HEAD_DIMS = (16, 32, 64, 128)
+ENV_SWITCH = "KNAPSPEC_SHORT_ATTENTION"
+
+
+def cpu_supports_kernel() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def build_dir(source: bytes) -> Path:
+    """Where this source, built with these flags for this PyTorch and CPU, lives."""
+    parts = [
+        source,
+        " ".join(FLAGS).encode(),
+        torch.__version__.encode(),
+        torch.backends.cpu.get_cpu_capability().encode(),
+    ]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    return Path.home() / ".cache" / "knapspec-ray" / "kernels" / f"short_attention-{key}"
+
+
+@functools.cache
+def load_kernel() -> ModuleType | None:
+    """The compiled kernel, or None where it cannot or should not run (see the module's doc)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0" or not cpu_supports_kernel():
+        return None
+    from torch.utils import cpp_extension
+
+    source = SOURCE.read_bytes()
+    directory = build_dir(source)
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        module = cpp_extension.load(
+            name=f"knapspec_{directory.name.replace('-', '_')}",
+            sources=[str(SOURCE)],
+            extra_cflags=list(FLAGS),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            verbose=False,
+        )
+    except Exception as error:  # a missing compiler or ninja: the matmuls still work
+        logger.warning("short-block attention kernel not built (%s); using PyTorch's matmuls", error)
+        return None
+    logger.debug("short-block attention kernel loaded from %s", directory)
+    return module
+
+
+def kernel_applies(mode_is_fp16w: bool, device: torch.device, head_dim: int) -> bool:
+    """Whether a model in this mode, on this device, with this head size takes the kernel."""
+    return mode_is_fp16w and device.type == "cpu" and head_dim in HEAD_DIMS and load_kernel() is not None
+
+
+def short_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+    """q [S, kv_heads, groups * T, head_dim] (fp32, already scaled; each KV head's query heads,
+    T rows each) over keys/values [S * kv_heads, n, head_dim]; row t of slot s sees its keys
+    [0, limits[s, t]) (int32 [S, T]). Returns [S, kv_heads, groups * T, head_dim]."""
+    kernel = load_kernel()
+    if kernel is None:
+        raise RuntimeError("the short-block attention kernel is not available on this machine")
+    return kernel.short_attention(q.contiguous(), keys, values, limits)

@@ -1,0 +1,117 @@
+"""The fused CPU kernel for short query blocks: the softmax attention it stands for, each row's
+bits independent of the rows beside it, and the model's two routes through it (a request
+alone, and its slot in a pooled batch) giving the same bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.model import short_attention as sa
+from pipeline.model.kv_pool import KVPool
+from pipeline.model.layers import kernel_attention, pooled_attention
+from pipeline.model.packing import pooled_rows
+
+pytestmark = pytest.mark.skipif(not sa.cpu_supports_kernel(), reason="needs an x86 CPU with AVX2")
+
+KV_HEADS, GROUPS = 3, 3
+
+
+def reference(q, keys, values, limits):
+    """Row by row: softmax(q k^T) v over the keys each row sees, in float64."""
+    slots, heads, rows, _ = q.shape
+    block = limits.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for s in range(slots):
+        for h in range(heads):
+            for m in range(rows):
+                n = int(limits[s, m % block])
+                k, v = keys[s * heads + h, :n].double(), values[s * heads + h, :n].double()
+                out[s, h, m] = torch.softmax(k @ q[s, h, m].double(), -1) @ v
+    return out
+
+
+@pytest.mark.parametrize("head_dim", sa.HEAD_DIMS)
+@pytest.mark.parametrize("lengths", [(1,), (7, 300), (257, 513, 1000)])
+def test_the_kernel_is_softmax_attention(head_dim, lengths):
+    torch.manual_seed(head_dim + len(lengths))
+    block = 3
+    slots = len(lengths)
+    q = torch.randn(slots, KV_HEADS, GROUPS * block, head_dim) * head_dim**-0.5
+    keys = torch.randn(slots * KV_HEADS, 1100, head_dim)
+    values = torch.randn(slots * KV_HEADS, 1100, head_dim)
+    limits = torch.tensor([[max(n - block + 1 + t, 1) for t in range(block)] for n in lengths], dtype=torch.int32)
+    out = sa.short_attention(q, keys, values, limits)
+    torch.testing.assert_close(out.double(), reference(q, keys, values, limits), atol=2e-5, rtol=1e-4)
+
+
+def test_a_row_gets_the_same_bits_whatever_shares_its_call():
+    """Alone, beside other rows, in a longer padded block: a row's output is bit for bit the same
+    (a batch must give each request what it gets alone)."""
+    torch.manual_seed(0)
+    head_dim, n = 64, 777
+    keys, values = torch.randn(KV_HEADS, 1024, head_dim), torch.randn(KV_HEADS, 1024, head_dim)
+    row = torch.randn(1, KV_HEADS, GROUPS, head_dim)
+    alone = sa.short_attention(row, keys, values, torch.tensor([[n]], dtype=torch.int32))
+    # A block of 4 rows whose row 2 is ours, each seeing one key more than the last.
+    block = torch.randn(1, KV_HEADS, GROUPS, 4, head_dim)
+    block[:, :, :, 2] = row
+    seen = torch.tensor([[n - 2, n - 1, n, n + 1]], dtype=torch.int32)
+    inside = sa.short_attention(block.reshape(1, KV_HEADS, GROUPS * 4, head_dim), keys, values, seen)
+    assert torch.equal(inside.view(1, KV_HEADS, GROUPS, 4, head_dim)[:, :, :, 2], alone)
+
+
+def test_a_row_that_sees_no_key_is_zero():
+    q = torch.randn(1, 1, 2, 32)
+    keys, values = torch.randn(1, 8, 32), torch.randn(1, 8, 32)
+    out = sa.short_attention(q, keys, values, torch.tensor([[0, 8]], dtype=torch.int32)[:, :1])
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_bad_shapes_are_refused():
+    q = torch.randn(1, KV_HEADS, GROUPS, 48)
+    keys = torch.randn(KV_HEADS, 8, 48)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        sa.short_attention(q, keys, keys, torch.tensor([[8]], dtype=torch.int32))
+    q = torch.randn(1, KV_HEADS, GROUPS, 64)
+    keys = torch.randn(KV_HEADS, 8, 64)
+    with pytest.raises(RuntimeError, match="limit past the keys"):
+        sa.short_attention(q, keys, keys, torch.tensor([[9]], dtype=torch.int32))
+
+
+def test_pooled_slots_get_the_bits_of_their_request_alone():
+    """Three requests verifying blocks of 1, 4 and 2 rows from slots 0, 1 and 3 of one pool:
+    each one's rows equal its own call over its own cache, bit for bit."""
+    torch.manual_seed(1)
+    head_dim, heads = 64, KV_HEADS * GROUPS
+    pool = KVPool(1, KV_HEADS, head_dim, 4, 1024, torch.float32)
+    caches = [pool.acquire(1024) for _ in range(4)]
+    pool.release(caches[2])
+    spans = [(caches[0], 600, 1), (caches[1], 100, 4), (caches[3], 900, 2)]
+    for cache, start, n in spans:
+        cache.keys[0, :, : start + n] = torch.randn(KV_HEADS, start + n, head_dim)
+        cache.values[0, :, : start + n] = torch.randn(KV_HEADS, start + n, head_dim)
+    qs = [torch.randn(n, heads, head_dim) for _, _, n in spans]
+    layout, rest = pooled_rows(spans, max_rows=16)
+    assert rest == []
+    pooled = pooled_attention(torch.cat(qs), layout, 0, KV_HEADS, kernel=True)
+    alone = [
+        kernel_attention(q, *cache.view(0, start + n), start, KV_HEADS) for q, (cache, start, n) in zip(qs, spans)
+    ]
+    assert torch.equal(pooled, torch.cat(alone))
+    # And both are the matmuls' attention, up to rounding.
+    torch.testing.assert_close(pooled, pooled_attention(torch.cat(qs), layout, 0, KV_HEADS), atol=1e-5, rtol=1e-4)
+
+
+def test_the_switch_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setenv(sa.ENV_SWITCH, "0")
+    sa.load_kernel.cache_clear()
+    try:
+        assert sa.load_kernel() is None
+        assert not sa.kernel_applies(True, torch.device("cpu"), 64)
+    finally:
+        monkeypatch.delenv(sa.ENV_SWITCH)
+        sa.load_kernel.cache_clear()
+    assert sa.kernel_applies(True, torch.device("cpu"), 64)
+    assert not sa.kernel_applies(False, torch.device("cpu"), 64)  # fp32 stays the reference
+    assert not sa.kernel_applies(True, torch.device("cpu"), 48)
