@@ -10,7 +10,7 @@ of values (flash decoding: chunks of keys in parallel, combined exactly).
 
 Only x86 CPUs with AVX2 and FMA take it (`torch.backends.cpu.get_cpu_capability()`), and
 only in the `fp16w` mode: `fp32` stays the exact reference of transformers' own math.
-`KNAPSPEC_SHORT_ATTENTION=0` turns it off. A machine that cannot build it (no C++
+`use_kernel(False)` turns it off (for a comparison). A machine that cannot build it (no C++
 compiler) falls back to the matmuls, with one warning. The build lands under
 `~/.cache/knapspec-ray/kernels/`, keyed by the source, the flags, PyTorch's version and the
 CPU's capability, so a machine with another CPU builds its own.
@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 from pathlib import Path
 from types import ModuleType
 
@@ -32,7 +31,14 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "short_attention.cpp"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
 HEAD_DIMS = (16, 32, 64, 128)
-ENV_SWITCH = "KNAPSPEC_SHORT_ATTENTION"
+_enabled = True
+
+
+def use_kernel(enabled: bool) -> None:
+    """Turn the kernel on or off for models built after this call (the matmuls otherwise)."""
+    global _enabled
+    _enabled = enabled
+    load_kernel.cache_clear()
 
 
 def cpu_supports_kernel() -> bool:
@@ -54,7 +60,7 @@ def build_dir(source: bytes) -> Path:
 @functools.cache
 def load_kernel() -> ModuleType | None:
     """The compiled kernel, or None where it cannot or should not run (see the module's doc)."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or not cpu_supports_kernel():
+    if not _enabled or not cpu_supports_kernel():
         return None
     from torch.utils import cpp_extension
 

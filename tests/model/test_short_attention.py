@@ -95,23 +95,19 @@ def test_pooled_slots_get_the_bits_of_their_request_alone():
     layout, rest = pooled_rows(spans, max_rows=16)
     assert rest == []
     pooled = pooled_attention(torch.cat(qs), layout, 0, KV_HEADS, kernel=True)
-    alone = [
-        kernel_attention(q, *cache.view(0, start + n), start, KV_HEADS) for q, (cache, start, n) in zip(qs, spans)
-    ]
+    alone = [kernel_attention(q, *cache.view(0, start + n), start, KV_HEADS) for q, (cache, start, n) in zip(qs, spans)]
     assert torch.equal(pooled, torch.cat(alone))
     # And both are the matmuls' attention, up to rounding.
     torch.testing.assert_close(pooled, pooled_attention(torch.cat(qs), layout, 0, KV_HEADS), atol=1e-5, rtol=1e-4)
 
 
-def test_the_switch_turns_the_kernel_off(monkeypatch):
-    monkeypatch.setenv(sa.ENV_SWITCH, "0")
-    sa.load_kernel.cache_clear()
+def test_the_switch_turns_the_kernel_off():
+    sa.use_kernel(False)
     try:
         assert sa.load_kernel() is None
         assert not sa.kernel_applies(True, torch.device("cpu"), 64)
     finally:
-        monkeypatch.delenv(sa.ENV_SWITCH)
-        sa.load_kernel.cache_clear()
+        sa.use_kernel(True)
     assert sa.kernel_applies(True, torch.device("cpu"), 64)
     assert not sa.kernel_applies(False, torch.device("cpu"), 64)  # fp32 stays the reference
     assert not sa.kernel_applies(True, torch.device("cpu"), 48)
