@@ -64,10 +64,9 @@ def load_kernel() -> ModuleType | None:
         return None
     from torch.utils import cpp_extension
 
-    source = SOURCE.read_bytes()
-    directory = build_dir(source)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = build_dir(SOURCE.read_bytes())
     try:
+        directory.mkdir(parents=True, exist_ok=True)
         module = cpp_extension.load(
             name=f"knapspec_{directory.name.replace('-', '_')}",
             sources=[str(SOURCE)],
@@ -76,7 +75,7 @@ def load_kernel() -> ModuleType | None:
             build_directory=str(directory),
             verbose=False,
         )
-    except Exception as error:  # a missing compiler or ninja: the matmuls still work
+    except Exception as error:  # no compiler, no ninja, a read-only home: the matmuls still work
         logger.warning("short-block attention kernel not built (%s); using PyTorch's matmuls", error)
         return None
     logger.debug("short-block attention kernel loaded from %s", directory)
