@@ -46,7 +46,7 @@ from pipeline.knapspec.drafter import KnapSpecDrafter, search_candidates
 from pipeline.knapspec.replanning import KnapSpecConfig
 from pipeline.knapspec.tpt import choose_plan
 from pipeline.logs import configure_logging
-from pipeline.model import items
+from pipeline.model import items, short_attention
 from pipeline.model.linear import resolve_compute_mode
 from pipeline.summarization.prompts import build_prompt
 from profiling.calibration import store_calibrator
@@ -60,6 +60,7 @@ CONTROL = "ar-control"  # the reference strategy, run a second time
 # Whose plan predicts their speed (the hybrid mixes in copied drafts its layer plan does not predict).
 SEARCHING = ("knapspec", "knapspec-coupled")
 VERIFY_SIZES = (1, 2, 4, 8, 11)
+MATMUL = "matmul"  # DTYPE+matmul: attention by PyTorch's matmuls, not the fused kernel
 
 
 @dataclass
@@ -103,14 +104,34 @@ class Record:
 
 def parse_strategy(text: str) -> tuple[str, str]:
     """NAME or NAME:DTYPE -> (name, compute mode); a bare name, or `auto`, takes the CPU default
-    mode, as generate.py and summarize.py do. Anything else ends the run with one error line."""
+    mode, as generate.py and summarize.py do. DTYPE+matmul (e.g. `ar:fp16w+matmul`) is the mode
+    with attention by PyTorch's matmuls instead of the fused kernel, run beside it. Anything
+    else ends the run with one error line."""
     name, _, dtype = text.strip().partition(":")
+    dtype, plus, route = dtype.partition("+")
     if name not in STRATEGIES:
         raise SystemExit(f"error: unknown strategy {name!r} in {text!r}; choose from {', '.join(STRATEGIES)}")
+    if plus and route != MATMUL:
+        raise SystemExit(f"error: {text!r}: the only route after '+' is {MATMUL!r}")
     try:
-        return name, resolve_compute_mode(dtype or "auto", "cpu").value
+        return name, resolve_compute_mode(dtype or "auto", "cpu").value + (f"+{MATMUL}" if plus else "")
     except ConfigError as e:
         raise SystemExit(f"error: {text!r}: {e}") from None
+
+
+def build_engine(model: str | None, dtype: str, output: Path) -> Engine:
+    """The engine of one parsed compute mode. A `+matmul` one is built with the kernel off and
+    keeps its latency tables apart (under OUT): the store's key does not tell the routes apart."""
+    mode, plus, route = dtype.partition("+")
+    if not plus:
+        return Engine(EngineConfig(model=model, dtype=mode), calibrator=store_calibrator())
+    short_attention.use_kernel(False)
+    try:
+        return Engine(
+            EngineConfig(model=model, dtype=mode), calibrator=store_calibrator(output / f"calibration-{route}")
+        )
+    finally:
+        short_attention.use_kernel(True)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -122,7 +143,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--strategies",
         default=DEFAULT_STRATEGIES,
-        help="NAME:DTYPE pairs, comma-separated (a bare NAME: the CPU default mode)",
+        help="NAME:DTYPE pairs, comma-separated (a bare NAME: the CPU default mode; DTYPE+matmul: "
+        "attention by PyTorch's matmuls instead of the fused kernel, e.g. ar:fp16w+matmul)",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
@@ -349,10 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         pairs.append((CONTROL, reference[1]))
     lengths = [int(x) for x in args.context_lengths.split(",")]
     documents = load_documents(args.input, args.ids.split(","))
-    engines = {
-        dtype: Engine(EngineConfig(model=args.model, dtype=dtype), calibrator=store_calibrator())
-        for dtype in sorted({d for _, d in pairs})
-    }
+    engines = {dtype: build_engine(args.model, dtype, args.output) for dtype in sorted({d for _, d in pairs})}
     tokenizer = next(iter(engines.values())).tokenizer
     if args.recalibrate:
         for dtype in {d for n, d in pairs if n in SEARCHING_STRATEGIES}:
@@ -402,27 +421,29 @@ def main(argv: list[str] | None = None) -> int:
                     engines[reference[1]], prompts[0], prefilled[reference[1]][0], doc_id, args.max_new_tokens,
                     args.forced,
                 )  # fmt: skip
-            costs = verify_costs(engines[reference[1]], prompts[0])
-            parts = costs["parts"]
-            floor = parts["linears_1_s"] + parts["attention_1_s"]
-            verify_rows.append(
-                {
-                    "doc_id": doc_id,
-                    "context_tokens": prompts[0].numel(),
-                    "dtype": reference[1],
-                    "t_forward_1_s": costs[1],
-                }
-                | {f"verify_{k}_over_1": costs[k] / costs[1] for k in VERIFY_SIZES[1:]}
-                | parts
-                | {
-                    "linears_4_over_1": parts["linears_4_s"] / parts["linears_1_s"],
-                    "attention_4_over_1": parts["attention_4_s"] / parts["attention_1_s"],
-                    # The step against what its linears and attention alone cost; the rest is the
-                    # elementwise work and the Python per item.
-                    "step_over_linears_and_attention": costs[1] / floor,
-                    "other_1_s": costs[1] - floor,
-                }
-            )
+            # The reference's mode, and beside it the same mode on the matmuls where that runs too.
+            for dtype in [d for d in engines if d in (reference[1], f"{reference[1]}+{MATMUL}")]:
+                costs = verify_costs(engines[dtype], prompts[0])
+                parts = costs["parts"]
+                floor = parts["linears_1_s"] + parts["attention_1_s"]
+                verify_rows.append(
+                    {
+                        "doc_id": doc_id,
+                        "context_tokens": prompts[0].numel(),
+                        "dtype": dtype,
+                        "t_forward_1_s": costs[1],
+                    }
+                    | {f"verify_{k}_over_1": costs[k] / costs[1] for k in VERIFY_SIZES[1:]}
+                    | parts
+                    | {
+                        "linears_4_over_1": parts["linears_4_s"] / parts["linears_1_s"],
+                        "attention_4_over_1": parts["attention_4_s"] / parts["attention_1_s"],
+                        # The step against what its linears and attention alone cost; the rest is the
+                        # elementwise work and the Python per item.
+                        "step_over_linears_and_attention": costs[1] / floor,
+                        "other_1_s": costs[1] - floor,
+                    }
+                )
 
     args.output.mkdir(parents=True, exist_ok=True)
     settings = vars(args) | {"input": str(args.input), "output": str(args.output), "threads": torch.get_num_threads()}

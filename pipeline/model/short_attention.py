@@ -35,10 +35,10 @@ _enabled = True
 
 
 def use_kernel(enabled: bool) -> None:
-    """Turn the kernel on or off for models built after this call (the matmuls otherwise)."""
+    """Turn the kernel on or off for models built after this call (the matmuls otherwise);
+    a model already built keeps the route it was built with."""
     global _enabled
     _enabled = enabled
-    load_kernel.cache_clear()
 
 
 def cpu_supports_kernel() -> bool:
@@ -59,8 +59,8 @@ def build_dir(source: bytes) -> Path:
 
 @functools.cache
 def load_kernel() -> ModuleType | None:
-    """The compiled kernel, or None where it cannot or should not run (see the module's doc)."""
-    if not _enabled or not cpu_supports_kernel():
+    """The compiled kernel, or None where it cannot run (see the module's doc)."""
+    if not cpu_supports_kernel():
         return None
     from torch.utils import cpp_extension
 
@@ -84,7 +84,7 @@ def load_kernel() -> ModuleType | None:
 
 def kernel_applies(mode_is_fp16w: bool, device: torch.device, head_dim: int) -> bool:
     """Whether a model in this mode, on this device, with this head size takes the kernel."""
-    return mode_is_fp16w and device.type == "cpu" and head_dim in HEAD_DIMS and load_kernel() is not None
+    return _enabled and mode_is_fp16w and device.type == "cpu" and head_dim in HEAD_DIMS and load_kernel() is not None
 
 
 def short_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:

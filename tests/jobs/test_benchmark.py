@@ -21,7 +21,14 @@ def test_strategies_by_bare_name_or_with_a_mode():
     assert benchmark.parse_strategy("knapspec") == ("knapspec", "fp16w")  # as generate.py takes it
     assert benchmark.parse_strategy("ar:auto") == ("ar", "fp16w")
     assert benchmark.parse_strategy(" hf:fp32") == ("hf", "fp32")
-    for bad, says in [("knapspeed", "unknown strategy"), ("ar:fp8", "unknown dtype"), ("ar:fp16w:x", "unknown dtype")]:
+    assert benchmark.parse_strategy("ar:fp16w+matmul") == ("ar", "fp16w+matmul")  # the kernel off, beside it
+    assert benchmark.parse_strategy("ar:+matmul") == ("ar", "fp16w+matmul")
+    for bad, says in [
+        ("knapspeed", "unknown strategy"),
+        ("ar:fp8", "unknown dtype"),
+        ("ar:fp16w:x", "unknown dtype"),
+        ("ar:fp16w+bmm", "only route"),
+    ]:
         with pytest.raises(SystemExit) as stop:
             benchmark.parse_strategy(bad)
         message = str(stop.value)
@@ -109,14 +116,17 @@ def test_benchmark_across_batch_sizes(tmp_path):
     code = benchmark.main(
         [
             "--ids", "gao-26-109008", "--context-lengths", "150", "--max-new-tokens", "24", "--repeats", "1",
-            "--strategies", "ar:fp16w,lookup:fp16w,hf:fp16w,knapspec:fp16w", "--batch-sizes", "1,3",
+            "--strategies", "ar:fp16w,lookup:fp16w,hf:fp16w,knapspec:fp16w,ar:fp16w+matmul", "--batch-sizes", "1,3",
             "--output", str(tmp_path),
         ]
     )  # fmt: skip
     assert code == 0
     out = json.loads((tmp_path / "benchmark.json").read_text())
-    records = {(r["strategy"], r["batch_size"]): r for r in out["records"]}
+    matmul = {(r["strategy"], r["batch_size"]): r for r in out["records"] if r["dtype"] == "fp16w+matmul"}
+    records = {(r["strategy"], r["batch_size"]): r for r in out["records"] if r["dtype"] == "fp16w"}
     assert set(records) == {(name, size) for name in ("ar", "lookup", "hf", "knapspec") for size in (1, 3)}
+    # The matmuls' attention ran beside the kernel, against the same reference.
+    assert set(matmul) == {("ar", 1), ("ar", 3)} and all(r["speedup_vs_ar"] > 0 for r in matmul.values())
     # KnapSpec in a batch plans for the batch: its planner decided, and the step time was predicted.
     planned = records[("knapspec", 3)]
     assert planned["batch_searches"] >= 1 and planned["step_error_online"] is not None
@@ -129,6 +139,7 @@ def test_benchmark_across_batch_sizes(tmp_path):
         if name != "hf":  # generate() in fp16w rounds its own way
             assert r["tokens_equal_ar"], r
     assert "lookup:fp16w@3" in out["summary"]
-    (breakdown,) = out["verify_cost"]
-    assert breakdown["linears_1_s"] > 0 and breakdown["attention_4_s"] > 0
-    assert breakdown["step_over_linears_and_attention"] > 0 and breakdown["linears_4_over_1"] > 0
+    assert [b["dtype"] for b in out["verify_cost"]] == ["fp16w", "fp16w+matmul"]
+    for breakdown in out["verify_cost"]:
+        assert breakdown["linears_1_s"] > 0 and breakdown["attention_4_s"] > 0
+        assert breakdown["step_over_linears_and_attention"] > 0 and breakdown["linears_4_over_1"] > 0
