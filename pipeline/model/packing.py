@@ -4,6 +4,7 @@ the logits of its rows come back out."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -70,8 +71,13 @@ class SlotRun:
     first: int
     end: int
     num_keys: int
-    hidden: torch.Tensor  # [end - first, 1, 1, block, num_keys]: True where a query must not look
     seen: torch.Tensor  # [end - first, block] int32: the keys each query row sees (the fused kernel's form)
+
+    @functools.cached_property
+    def hidden(self) -> torch.Tensor:
+        """[end - first, 1, 1, block, num_keys]: True where a query must not look (the matmuls'
+        mask; made on first use, once per forward, since the kernel never needs it)."""
+        return (torch.arange(self.num_keys, device=self.seen.device) >= self.seen[..., None])[:, None, None]
 
 
 @dataclass(frozen=True)
@@ -137,12 +143,11 @@ def pooled_rows(spans: Sequence[tuple[KVCache, int, int]], max_rows: int) -> tup
             slots.append(cache.slot)
             positions.append(start + t)
             limit[base[cache.slot]][t] = start + t
-    limits = torch.tensor(limit, device=device)[..., None]  # [slots, block, 1]
+    limits = torch.tensor(limit, device=device)  # [slots, block]
     layout_runs = []
     for first, end, keys in runs:
-        hidden = torch.arange(keys, device=device) > limits[base[first] : base[first] + end - first]
-        seen = (limits[base[first] : base[first] + end - first, :, 0] + 1).to(torch.int32)
-        layout_runs.append(SlotRun(first, end, keys, hidden[:, None, None], seen))
+        seen = (limits[base[first] : base[first] + end - first] + 1).to(torch.int32)
+        layout_runs.append(SlotRun(first, end, keys, seen))
 
     def index(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)

@@ -8,8 +8,9 @@ memory between them. The kernel reads each key and value once, computes the scor
 every query row of the head while the key is in cache, and fuses the softmax and the sum
 of values (flash decoding: chunks of keys in parallel, combined exactly).
 
-Only x86 CPUs with AVX2 and FMA take it (`torch.backends.cpu.get_cpu_capability()`), and
-only in the `fp16w` mode: `fp32` stays the exact reference of transformers' own math.
+Only x86 CPUs with AVX2 and FMA take it (`torch.backends.cpu.get_cpu_capability()`), built
+16 floats wide where that says AVX-512, and only in the `fp16w` mode: `fp32` stays the
+exact reference of transformers' own math.
 `use_kernel(False)` turns it off (for a comparison). A machine that cannot build it (no C++
 compiler) falls back to the matmuls, with one warning. The build lands under
 `~/.cache/knapspec-ray/kernels/`, keyed by the source, the flags, PyTorch's version and the
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "short_attention.cpp"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
+AVX512_FLAGS = ("-mavx512f", "-mavx512vl")  # where the CPU has AVX-512: the 16-wide build
 HEAD_DIMS = (16, 32, 64, 128)
 _enabled = True
 
@@ -45,11 +47,16 @@ def cpu_supports_kernel() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def build_dir(source: bytes) -> Path:
+def build_flags() -> tuple[str, ...]:
+    """The compiler's flags for this CPU: AVX2 and FMA, and AVX-512 where it has that."""
+    return FLAGS + (AVX512_FLAGS if torch.backends.cpu.get_cpu_capability() == "AVX512" else ())
+
+
+def build_dir(source: bytes, flags: tuple[str, ...] | None = None) -> Path:
     """Where this source, built with these flags for this PyTorch and CPU, lives."""
     parts = [
         source,
-        " ".join(FLAGS).encode(),
+        " ".join(build_flags() if flags is None else flags).encode(),
         torch.__version__.encode(),
         torch.backends.cpu.get_cpu_capability().encode(),
     ]
@@ -60,17 +67,21 @@ def build_dir(source: bytes) -> Path:
 @functools.cache
 def load_kernel() -> ModuleType | None:
     """The compiled kernel, or None where it cannot run (see the module's doc)."""
-    if not cpu_supports_kernel():
-        return None
+    return build(build_flags()) if cpu_supports_kernel() else None
+
+
+def build(flags: tuple[str, ...]) -> ModuleType | None:
+    """The kernel compiled with `flags` (built once per key, then loaded); None, with one
+    warning, where it cannot be built."""
     from torch.utils import cpp_extension
 
-    directory = build_dir(SOURCE.read_bytes())
+    directory = build_dir(SOURCE.read_bytes(), flags)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         module = cpp_extension.load(
             name=f"knapspec_{directory.name.replace('-', '_')}",
             sources=[str(SOURCE)],
-            extra_cflags=list(FLAGS),
+            extra_cflags=list(flags),
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
             verbose=False,

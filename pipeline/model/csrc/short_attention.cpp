@@ -3,6 +3,11 @@
 // computed while its keys are in cache, softmax and the weighted sum of values fused
 // (flash decoding: chunks of keys in parallel, combined exactly at the end).
 //
+// Built with AVX-512 where the CPU has it (__AVX512F__): the dot products, the exponentials
+// and the sums of values then run 16 floats wide, and a row tile's sums of values cover 64
+// floats of head_dim per pass over the values instead of 16. The two builds round alike in
+// structure but not in bits; one machine runs one build, so alone and batched still agree.
+//
 // Each row's result depends only on its query, its keys and their fixed chunking, never on
 // which other rows or requests share the call, so a request gives the same bits alone and
 // inside a batch.
@@ -48,6 +53,46 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+#ifdef __AVX512F__
+// The same polynomial, 16 lanes wide.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// A 16-lane accumulator folded to 8 lanes (its halves added), for tile_sums.
+inline __m256 fold(__m512 a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+// The sums of a 4-row x 4-key tile's accumulators a[4 * row + key], as lane 4 * key + row:
+// four rounds of adding the halves of two vectors, every lane of every vector paired the
+// same way, so each sum has one order wherever it lies in a tile.
+inline __m512 tile_sums(const __m512* a) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88), _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+  // u[i]: 128-bit block b holds the four partial sums of a[4 * i + b]
+  const __m512 v0 = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
+  const __m512 v1 = _mm512_add_ps(_mm512_shuffle_ps(u[2], u[3], 0x88), _mm512_shuffle_ps(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_ps(v0, v1, 0x88), _mm512_shuffle_ps(v0, v1, 0xDD));
+}
+#endif
+
 // The sums of a 4-row x 2-key tile's accumulators, as [r0k0, r0k1, r1k0, r1k1, ..., r3k1]:
 // every pair is summed in the same order wherever it lies in a tile.
 inline __m256 tile_sums(const __m256* a0, const __m256* a1) {
@@ -58,12 +103,35 @@ inline __m256 tile_sums(const __m256* a0, const __m256* a1) {
   return _mm256_add_ps(low, high);
 }
 
-// Scores of rows [m0, m0 + rows) against keys [0, num_keys) of a chunk, four rows by two
-// keys at a time (eight accumulators in flight); q holds whole tiles of rows (zero-padded).
-// An odd last key is paired with itself: a key's score never depends on its neighbour.
+// Scores of rows [m0, m0 + rows) against keys [0, num_keys) of a chunk, four rows at a time
+// (by four keys with AVX-512, by two with AVX2); q holds whole tiles of rows (zero-padded).
+// Keys past the last are the last again: a key's score never depends on its neighbours.
 template <int64_t D>
 void tile_scores(const float* q, const float* keys, int64_t key_stride, int64_t m0, int64_t rows,
                  int64_t num_keys, float* scores) {
+#ifdef __AVX512F__
+  static_assert(D % 16 == 0, "head_dim in steps of 16");
+  constexpr int64_t kKeys = 4;
+  alignas(64) float sums[16];
+  for (int64_t j = 0; j < num_keys; j += kKeys) {
+    const float* k[kKeys];
+    for (int64_t t = 0; t < kKeys; ++t) k[t] = keys + std::min(j + t, num_keys - 1) * key_stride;
+    __m512 a[kRowTile * kKeys];
+    for (int64_t i = 0; i < kRowTile * kKeys; ++i) a[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 x[kKeys];
+      for (int64_t t = 0; t < kKeys; ++t) x[t] = _mm512_loadu_ps(k[t] + d);
+      for (int64_t i = 0; i < kRowTile; ++i) {
+        const __m512 qi = _mm512_loadu_ps(q + (m0 + i) * D + d);
+        for (int64_t t = 0; t < kKeys; ++t) a[kKeys * i + t] = _mm512_fmadd_ps(qi, x[t], a[kKeys * i + t]);
+      }
+    }
+    _mm512_store_ps(sums, tile_sums(a));
+    // kChunk is a multiple of kKeys: a row's padding stays inside its own kChunk floats.
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t t = 0; t < kKeys; ++t) scores[(m0 + i) * kChunk + j + t] = sums[kRowTile * t + i];
+  }
+#else
   alignas(32) float sums[8];
   for (int64_t j = 0; j < num_keys; j += 2) {
     const float* k0 = keys + j * key_stride;
@@ -84,13 +152,38 @@ void tile_scores(const float* q, const float* keys, int64_t key_stride, int64_t 
       scores[(m0 + i) * kChunk + j + 1] = sums[2 * i + 1];  // the row's padding when j + 1 = num_keys
     }
   }
+#endif
 }
 
 // One row's softmax numerators over a chunk, in place: e^(s - max) for its n keys and 0 up
 // to `reach` (the row tile's keys), with their max and sum.
 inline void row_softmax(float* s, int64_t n, int64_t reach, float* max_out, float* sum_out) {
-  float most = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) most = std::max(most, s[j]);
+  // The maximum is exact in any order: eight or sixteen lanes, then across them.
+#ifdef __AVX512F__
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j + 16 <= n; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+  float most = _mm512_reduce_max_ps(top);
+  for (int64_t j = n / 16 * 16; j < n; ++j) most = std::max(most, s[j]);
+  const __m512 m = _mm512_set1_ps(most);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    // The last vector's lanes past n: their scores are not read, their numerators are 0.
+    const __mmask16 keep = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    const __m512 x = _mm512_mask_loadu_ps(m, keep, s + j);
+    const __m512 p = _mm512_maskz_mov_ps(keep, exp_nonpositive(_mm512_sub_ps(x, m)));
+    _mm512_mask_storeu_ps(s + j, keep, p);
+    total = _mm512_add_ps(total, p);
+  }
+  std::fill(s + n, s + std::max(n, reach), 0.0f);
+  *max_out = most;
+  *sum_out = hsum(fold(total));
+#else
+  __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j + 8 <= n; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  float most = *std::max_element(lanes, lanes + 8);
+  for (int64_t j = n / 8 * 8; j < n; ++j) most = std::max(most, s[j]);
   const __m256 m = _mm256_set1_ps(most);
   const int64_t whole = n / 8 * 8;
   __m256 total = _mm256_setzero_ps();
@@ -115,6 +208,7 @@ inline void row_softmax(float* s, int64_t n, int64_t reach, float* max_out, floa
   std::fill(s + n, s + std::max(n, reach), 0.0f);
   *max_out = most;
   *sum_out = hsum(total);
+#endif
 }
 
 // The unnormalized weighted sums of values for rows [m0, m0 + rows) over keys [0, reach):
@@ -125,6 +219,26 @@ void tile_values(const float* scores, int64_t m0, int64_t rows, int64_t reach, c
                  int64_t value_stride, float* out) {
   const float* p[kRowTile];
   for (int64_t i = 0; i < kRowTile; ++i) p[i] = scores + (m0 + std::min(i, rows - 1)) * kChunk;
+#ifdef __AVX512F__
+  constexpr int64_t kSpan = D < 64 ? D : 64;  // floats of head_dim per pass: 4 rows x 4 registers at most
+  constexpr int64_t kVecs = kSpan / 16;
+  for (int64_t b = 0; b < D; b += kSpan) {
+    __m512 acc[kRowTile][kVecs];
+    for (int64_t i = 0; i < kRowTile; ++i)
+      for (int64_t c = 0; c < kVecs; ++c) acc[i][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < reach; ++j) {
+      const float* v = values + j * value_stride + b;
+      __m512 x[kVecs];
+      for (int64_t c = 0; c < kVecs; ++c) x[c] = _mm512_loadu_ps(v + 16 * c);
+      for (int64_t i = 0; i < kRowTile; ++i) {
+        const __m512 w = _mm512_set1_ps(p[i][j]);
+        for (int64_t c = 0; c < kVecs; ++c) acc[i][c] = _mm512_fmadd_ps(w, x[c], acc[i][c]);
+      }
+    }
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t c = 0; c < kVecs; ++c) _mm512_storeu_ps(out + (m0 + i) * D + b + 16 * c, acc[i][c]);
+  }
+#else
   for (int64_t b = 0; b < D; b += 16) {
     __m256 acc[kRowTile][2];
     for (int64_t i = 0; i < kRowTile; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -142,6 +256,7 @@ void tile_values(const float* scores, int64_t m0, int64_t rows, int64_t reach, c
       _mm256_storeu_ps(out + (m0 + i) * D + b + 8, acc[i][1]);
     }
   }
+#endif
 }
 
 template <int64_t D>
