@@ -153,10 +153,10 @@ def kernel_attention(
     (the block's own written first) -> [T, H * head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
     groups = num_heads // num_kv_heads
-    rows = q.view(num_tokens, num_kv_heads, groups, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv_heads, -1, head_dim)
+    rows = q.view(num_tokens, num_kv_heads, groups, head_dim).transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)
     seen = torch.arange(start + 1, start + num_tokens + 1, dtype=torch.int32).view(1, num_tokens)
-    out = short_attention(rows, keys, values, seen)  # [1, kv_heads, groups * T, head_dim]
-    return out.view(num_kv_heads, groups, num_tokens, head_dim).permute(2, 0, 1, 3).reshape(num_tokens, -1)
+    out = short_attention(rows, keys, values, seen)  # [1, kv_heads, T * groups, head_dim]
+    return out.view(num_kv_heads, num_tokens, groups, head_dim).transpose(0, 1).reshape(num_tokens, -1)
 
 
 def pooled_attention(q: torch.Tensor, layout, layer: int, num_kv_heads: int, kernel: bool = False) -> torch.Tensor:
@@ -181,9 +181,9 @@ def pooled_attention(q: torch.Tensor, layout, layer: int, num_kv_heads: int, ker
         part = padded[at : at + num_slots * block].view(num_slots, block, num_kv_heads, groups, head_dim)
         at += num_slots * block
         if kernel:
-            rows = part.permute(0, 2, 3, 1, 4).reshape(num_slots, num_kv_heads, groups * block, head_dim)
+            rows = part.transpose(1, 2).reshape(num_slots, num_kv_heads, block * groups, head_dim)
             out = short_attention(rows, keys, values, run.seen)
-            out = out.view(num_slots, num_kv_heads, groups, block, head_dim).permute(0, 3, 1, 2, 4)
+            out = out.view(num_slots, num_kv_heads, block, groups, head_dim).transpose(1, 2)
             outs.append(out.reshape(num_slots * block, num_heads * head_dim))
             continue
         rows = part.permute(0, 2, 3, 1, 4).reshape(num_slots * num_kv_heads, groups * block, head_dim)

@@ -99,9 +99,9 @@ def kernel_applies(mode_is_fp16w: bool, device: torch.device, head_dim: int) -> 
 
 
 def short_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
-    """q [S, kv_heads, groups * T, head_dim] (fp32, already scaled; each KV head's query heads,
-    T rows each) over keys/values [S * kv_heads, n, head_dim]; row t of slot s sees its keys
-    [0, limits[s, t]) (int32 [S, T]). Returns [S, kv_heads, groups * T, head_dim]."""
+    """q [S, kv_heads, T * groups, head_dim] (fp32, already scaled; each KV head's rows by
+    position, then query head) over keys/values [S * kv_heads, n, head_dim]; position t of
+    slot s sees its keys [0, limits[s, t]) (int32 [S, T]). Returns q's shape."""
     kernel = load_kernel()
     if kernel is None:
         raise RuntimeError("the short-block attention kernel is not available on this machine")

@@ -34,7 +34,7 @@ def reference(q, keys, values, limits):
     for s in range(slots):
         for h in range(heads):
             for m in range(rows):
-                n = int(limits[s, m % block])
+                n = int(limits[s, m // (rows // block)])  # rows by position, then query head
                 k, v = keys[s * heads + h, :n].double(), values[s * heads + h, :n].double()
                 out[s, h, m] = torch.softmax(k @ q[s, h, m].double(), -1) @ v
     return out
@@ -63,12 +63,12 @@ def test_a_row_gets_the_same_bits_whatever_shares_its_call(kernel, n):
     keys, values = torch.randn(KV_HEADS, 1024, head_dim), torch.randn(KV_HEADS, 1024, head_dim)
     row = torch.randn(1, KV_HEADS, GROUPS, head_dim)
     alone = kernel(row, keys, values, torch.tensor([[n]], dtype=torch.int32))
-    # A block of 4 rows whose row 2 is ours, each seeing one key more than the last.
-    block = torch.randn(1, KV_HEADS, GROUPS, 4, head_dim)
-    block[:, :, :, 2] = row
+    # A block of 4 positions whose position 2 is ours, each seeing one key more than the last.
+    block = torch.randn(1, KV_HEADS, 4, GROUPS, head_dim)
+    block[:, :, 2] = row
     seen = torch.tensor([[n - 2, n - 1, n, n + 1]], dtype=torch.int32)
-    inside = kernel(block.reshape(1, KV_HEADS, GROUPS * 4, head_dim), keys, values, seen)
-    assert torch.equal(inside.view(1, KV_HEADS, GROUPS, 4, head_dim)[:, :, :, 2], alone)
+    inside = kernel(block.reshape(1, KV_HEADS, 4 * GROUPS, head_dim), keys, values, seen)
+    assert torch.equal(inside.view(1, KV_HEADS, 4, GROUPS, head_dim)[:, :, 2], alone)
 
 
 def test_a_row_that_sees_no_key_is_zero():

@@ -83,9 +83,11 @@ inline __m256 fold(__m512 a) {
 inline __m512 tile_sums(const __m512* a) {
   __m512 t[8], u[4];
   for (int i = 0; i < 8; ++i)
-    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
   for (int i = 0; i < 4; ++i)
-    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88), _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
   // u[i]: 128-bit block b holds the four partial sums of a[4 * i + b]
   const __m512 v0 = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
   const __m512 v1 = _mm512_add_ps(_mm512_shuffle_ps(u[2], u[3], 0x88), _mm512_shuffle_ps(u[2], u[3], 0xDD));
@@ -212,8 +214,9 @@ inline void row_softmax(float* s, int64_t n, int64_t reach, float* max_out, floa
 }
 
 // The unnormalized weighted sums of values for rows [m0, m0 + rows) over keys [0, reach):
-// four rows share each load of a value, 16 of its floats at a time. A key past a row's own
-// has weight 0, and fma(0, v, acc) is acc: a row's sums do not depend on its tile.
+// four rows share each load of a value, 16 of its floats at a time (64 with AVX-512). A key
+// past a row's own has weight 0, and fma(0, v, acc) is acc: a row's sums do not depend on
+// its tile.
 template <int64_t D>
 void tile_values(const float* scores, int64_t m0, int64_t rows, int64_t reach, const float* values,
                  int64_t value_stride, float* out) {
@@ -265,6 +268,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
   const int64_t num_slots = q.size(0), num_heads = q.size(1), num_rows = q.size(2), block = limits.size(1);
   const int64_t max_keys = limits.numel() ? limits.max().item<int32_t>() : 0;
   const int64_t num_chunks = std::max<int64_t>((max_keys + kChunk - 1) / kChunk, 1);
+  const int64_t groups = num_rows / block;
   auto options = q.options();
   auto partial = torch::empty({num_slots * num_heads, num_chunks, num_rows, D}, options);
   auto stats = torch::empty({num_slots * num_heads, num_chunks, num_rows, 2}, options);
@@ -289,7 +293,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
       const float* kh = kp + head * k_head + first * k_key;
       const float* vh = vp + head * v_head + first * v_key;
       for (int64_t m = 0; m < num_rows; ++m)
-        counts[m] = std::clamp<int64_t>(lp[slot * block + m % block] - first, 0, kChunk);
+        counts[m] = std::clamp<int64_t>(lp[slot * block + m / groups] - first, 0, kChunk);
       float* out = pp + (head * num_chunks + chunk) * num_rows * D;
       float* st = sp + (head * num_chunks + chunk) * num_rows * 2;
       for (int64_t m0 = 0; m0 < num_rows; m0 += kRowTile) {
@@ -342,10 +346,12 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
 
 }  // namespace
 
-// q [slots, kv_heads, groups * T, head_dim] fp32 contiguous, already scaled: each KV head's
-// query heads, T rows each; keys and values [slots * kv_heads, >= keys seen, head_dim] fp32
-// with unit stride along head_dim; limits [slots, T] int32: row t of a slot's block attends
-// to its keys [0, limit). Returns [slots, kv_heads, groups * T, head_dim].
+// q [slots, kv_heads, T * groups, head_dim] fp32 contiguous, already scaled: each KV head's
+// rows by position, then query head (row m is position m / groups of the slot's block);
+// keys and values [slots * kv_heads, >= keys seen, head_dim] fp32 with unit stride along
+// head_dim; limits [slots, T] int32: position t of a slot's block attends to its keys
+// [0, limit). Returns [slots, kv_heads, T * groups, head_dim]. Rows by position keep a
+// block's padding (positions past a slot's own rows) out of its real rows' tiles.
 torch::Tensor short_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor limits) {
   TORCH_CHECK(q.dim() == 4 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "q: [S, H, M, D] fp32 contiguous");
   TORCH_CHECK(keys.dim() == 3 && values.dim() == 3 && keys.stride(2) == 1 && values.stride(2) == 1,
