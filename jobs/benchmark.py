@@ -93,6 +93,7 @@ class Record:
     # KnapSpec's batch planner: its searches, and the best drafting plan's predicted batch
     # tokens/s over plain decoding's (median; below 1 + margin it chose AR).
     batch_searches: int | None = None
+    batch_postponed: int | None = None  # its checks that found no time for a search within its share
     best_draft_gain: float | None = None  # of the searches that ran the DP
     draft_bound_gain: float | None = None  # of those the optimistic bound spared (every token matched)
     best_draft_alpha: float | None = None  # the best drafting plan's mean acceptance estimate
@@ -119,17 +120,13 @@ def parse_strategy(text: str) -> tuple[str, str]:
         raise SystemExit(f"error: {text!r}: {e}") from None
 
 
-def build_engine(model: str | None, dtype: str, output: Path) -> Engine:
-    """The engine of one parsed compute mode. A `+matmul` one is built with the kernel off and
-    keeps its latency tables apart (under OUT): the store's key does not tell the routes apart."""
-    mode, plus, route = dtype.partition("+")
-    if not plus:
-        return Engine(EngineConfig(model=model, dtype=mode), calibrator=store_calibrator())
-    short_attention.use_kernel(False)
+def build_engine(model: str | None, dtype: str) -> Engine:
+    """The engine of one parsed compute mode; a `+matmul` one is built with the kernel off (its
+    latency tables are stored apart: a calibration's key names the attention route)."""
+    mode, plus, _ = dtype.partition("+")
+    short_attention.use_kernel(not plus)
     try:
-        return Engine(
-            EngineConfig(model=model, dtype=mode), calibrator=store_calibrator(output / f"calibration-{route}")
-        )
+        return Engine(EngineConfig(model=model, dtype=mode), calibrator=store_calibrator())
     finally:
         short_attention.use_kernel(True)
 
@@ -198,6 +195,7 @@ class BatchRun:
     decode_s: float  # wall time of the batch's decode (after every prefill)
     prefill_s: float
     searches: list[dict] = field(default_factory=list)  # the batch planner's, in this run
+    postponed: int = 0  # its checks that found no time for a search
 
     @property
     def tokens_per_s(self) -> float:
@@ -238,7 +236,7 @@ def run_batch(
         )
         for p, f in zip(prompts, prefilled)
     ]
-    searched = engine.num_batch_searches(strategy)
+    searched, postponed = engine.num_batch_searches(strategy), engine.num_batch_postponed(strategy)
     started = time.perf_counter()
     results = decode_batch(engine.model, requests)
     decode_s = time.perf_counter() - started
@@ -246,7 +244,8 @@ def run_batch(
         pool.release(request.cache)
     new = engine.num_batch_searches(strategy) - searched
     searches = engine.batch_searches(strategy)[-new:] if new else []
-    return BatchRun(results, decode_s, sum(f.seconds for f in prefilled), searches)
+    postponed = engine.num_batch_postponed(strategy) - postponed
+    return BatchRun(results, decode_s, sum(f.seconds for f in prefilled), searches, postponed)
 
 
 def _alone(
@@ -299,6 +298,7 @@ def batch_record(
         step_error_online=_median_extra(results, "step_error_online"),
         step_fit_restarts=_median_extra(results, "step_fit_restarts"),
         batch_searches=sum(len(run.searches) for run in runs) // len(runs) if size > 1 else None,
+        batch_postponed=sum(run.postponed for run in runs) // len(runs) if size > 1 else None,
         best_draft_gain=_median_of(
             [
                 s["best_draft_tpt"] / s["ar_tpt"]
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         pairs.append((CONTROL, reference[1]))
     lengths = [int(x) for x in args.context_lengths.split(",")]
     documents = load_documents(args.input, args.ids.split(","))
-    engines = {dtype: build_engine(args.model, dtype, args.output) for dtype in sorted({d for _, d in pairs})}
+    engines = {dtype: build_engine(args.model, dtype) for dtype in sorted({d for _, d in pairs})}
     tokenizer = next(iter(engines.values())).tokenizer
     if args.recalibrate:
         for dtype in {d for n, d in pairs if n in SEARCHING_STRATEGIES}:
@@ -586,7 +586,7 @@ def format_batches(records: list[Record], reference: tuple[str, str]) -> str:
 def format_batch_plans(records: list[Record]) -> str:
     """KnapSpec inside batches: one plan per batch step (knapspec/batch_plan.py), what it skipped,
     why it chose AR, and how well the step time was predicted."""
-    rows = [r for r in records if r.batch_size > 1 and r.batch_searches]
+    rows = [r for r in records if r.batch_size > 1 and (r.batch_searches or r.batch_postponed)]
     if not rows:
         return ""
 
@@ -594,7 +594,8 @@ def format_batch_plans(records: list[Record]) -> str:
         return "" if value is None else format(value, form)
 
     lines = [
-        "KnapSpec's batch plans: batch searches per run, items its speculating plans skipped, the best "
+        "KnapSpec's batch plans: batch searches per run (and checks postponed for want of time), items its "
+        "speculating plans skipped, the best "
         "drafting plan's predicted batch tokens/s over AR's (where the DP ran; else the optimistic bound that "
         "spared it), its predicted vs measured tokens/s, the search's share of decode, and the mean error of "
         "the step time predicted before each step by the latency table and by the online fit, and how often "
@@ -607,7 +608,8 @@ def format_batch_plans(records: list[Record]) -> str:
     for r in sorted(rows, key=lambda r: (r.doc_id, r.context_tokens, r.strategy, r.batch_size)):
         predicted = r.predicted_tpt * r.batch_size if r.predicted_tpt is not None else None
         lines.append(
-            f"| {r.doc_id} | {r.context_tokens} | {r.strategy} | {r.batch_size} | {r.batch_searches} "
+            f"| {r.doc_id} | {r.context_tokens} | {r.strategy} | {r.batch_size} | {r.batch_searches}"
+            f"{f' (+{r.batch_postponed} postponed)' if r.batch_postponed else ''} "
             f"| {cell(r.skipped_attn, '.1f')} | {cell(r.skipped_mlp, '.1f')} | {cell(r.best_draft_gain, '.2f')} "
             f"| {cell(r.best_draft_alpha, '.2f')} | {cell(r.draft_bound_gain, '.2f')} | {cell(predicted, '.1f')} | {r.tokens_per_s:.1f} "
             f"| {cell(r.dp_overhead_frac, '.1%')} | {cell(r.step_error_table, '.0%')} "

@@ -179,7 +179,8 @@ def format_table(calibration: Calibration) -> str:
     residuals = calibration.fit_residuals
     ms = 1e3
     lines = [
-        f"## Latency model: {calibration.model} ({calibration.dtype}, {calibration.layout})",
+        f"## Latency model: {calibration.model} "
+        f"({calibration.dtype}, {calibration.layout}, {calibration.attention} attention)",
         "",
         f"{calibration.device}; torch {calibration.torch_version}; measured {calibration.created_at}, "
         f"median of {calibration.repeats}",

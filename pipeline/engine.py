@@ -245,6 +245,10 @@ class Engine:
         """How many batch searches `strategy`'s planners have made, kept or not."""
         return sum(planner.num_searches for (name, _), planner in self._batch_planners.items() if name == strategy)
 
+    def num_batch_postponed(self, strategy: str) -> int:
+        """How many of `strategy`'s batch checks found no time for a search within its share."""
+        return sum(planner.num_postponed for (name, _), planner in self._batch_planners.items() if name == strategy)
+
     def drafter(self, strategy: StrategyConfig) -> Drafter:
         build = REGISTRY[strategy.name].build
         # transformers generate() drafts by itself: nothing of ours proposes.

@@ -71,6 +71,10 @@ class CalibrationStore:
 
         if key.dtype != model.mode.value:
             raise ValueError(f"calibration key is for dtype {key.dtype!r}, but the model runs {model.mode.value!r}")
+        if key.attention != model.attention_route:
+            raise ValueError(
+                f"calibration key is for {key.attention!r} attention, but the model runs {model.attention_route!r}"
+            )
         self.root.mkdir(parents=True, exist_ok=True)
         with FileLock(str(self.path_for(key)) + ".lock"):
             if not force:

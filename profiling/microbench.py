@@ -149,7 +149,9 @@ def measure(
         # The sum of the parts against a measured whole: what per-forward overhead the model misses.
         "t_forward": relative_rms([latency.t_forward(reference_context)], [t_verify[0]]),
     }
-    logger.info("fit residuals: attention %.1f%%, forward %.1f%%", 100 * residuals["t_attn"], 100 * residuals["t_forward"])
+    logger.info(
+        "fit residuals: attention %.1f%%, forward %.1f%%", 100 * residuals["t_attn"], 100 * residuals["t_forward"]
+    )
     if max(residuals.values()) > SUSPECT_RESIDUAL:
         # On a quiet machine both stay within ~10%; far worse usually means another process
         # shared the cores (OpenMP threads then wait on each other) and the numbers are noise.
@@ -174,6 +176,7 @@ def measure(
         t_verify_measured=tuple(t_verify),
         repeats=repeats,
         fit_residuals=residuals,
+        attention=model.attention_route,
     )
 
 

@@ -31,6 +31,7 @@ import torch
 from pipeline.decoding.step_cost import StepCost
 from pipeline.knapspec.batch_latency import corrected_table
 from pipeline.knapspec.latency import LatencyModel
+from pipeline.model.short_attention import MATMUL_ROUTE
 
 if TYPE_CHECKING:
     from pipeline.model.sublayer_model import SublayerModel
@@ -76,16 +77,31 @@ class CalibrationKey:
     model: str
     dtype: str
     layout: str = DEFAULT_LAYOUT
+    # How decode and verify attention runs (SublayerModel.attention_route): the fused kernel's
+    # costs are not the matmuls', so a table measured with one must not plan for the other.
+    attention: str = MATMUL_ROUTE
 
     @classmethod
     def for_model(cls, model: SublayerModel, model_name: str, layout: str = DEFAULT_LAYOUT) -> CalibrationKey:
-        return cls(device=device_name(model.device), model=model_name, dtype=model.mode.value, layout=layout)
+        return cls(
+            device=device_name(model.device),
+            model=model_name,
+            dtype=model.mode.value,
+            layout=layout,
+            attention=model.attention_route,
+        )
 
     def file_name(self) -> str:
-        """A readable, filesystem-safe name; the hash keeps keys that slug alike apart."""
-        digest = hashlib.sha256("\0".join(dataclasses.astuple(self)).encode()).hexdigest()[:12]
+        """A readable, filesystem-safe name; the hash keeps keys that slug alike apart. The
+        matmuls' keys hash as before the attention route was part of a key (their stored
+        tables were measured that way), the kernel's get names of their own."""
+        parts = dataclasses.astuple(self)
+        if self.attention == MATMUL_ROUTE:
+            parts = parts[:-1]
+        digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
         model = Path(self.model).name or self.model
-        slug = _SLUG_CHARS.sub("-", f"{model}-{self.dtype}-{self.layout}-{self.device}").strip("-.")
+        route = "" if self.attention == MATMUL_ROUTE else f"-{self.attention}"
+        slug = _SLUG_CHARS.sub("-", f"{model}-{self.dtype}{route}-{self.layout}-{self.device}").strip("-.")
         return f"{slug[:_MAX_SLUG]}-{digest}.json"
 
 
@@ -127,6 +143,7 @@ class Calibration:
     repeats: int
     fit_residuals: Mapping[str, float] = field(default_factory=dict)  # relative RMS per fitted quantity
     correction: StepCostCorrection | None = None  # what timed steps taught since (None: nothing yet)
+    attention: str = MATMUL_ROUTE  # files from before the kernel lack it: they were the matmuls'
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "context_lengths", tuple(int(n) for n in self.context_lengths))
@@ -140,7 +157,7 @@ class Calibration:
 
     @property
     def key(self) -> CalibrationKey:
-        return CalibrationKey(device=self.device, model=self.model, dtype=self.dtype, layout=self.layout)
+        return CalibrationKey(self.device, self.model, self.dtype, self.layout, self.attention)
 
     @property
     def corrected_latency(self) -> LatencyModel:

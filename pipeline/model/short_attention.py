@@ -33,6 +33,9 @@ SOURCE = Path(__file__).with_name("csrc") / "short_attention.cpp"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
 AVX512_FLAGS = ("-mavx512f", "-mavx512vl")  # where the CPU has AVX-512: the 16-wide build
 HEAD_DIMS = (16, 32, 64, 128)
+# How a model's decode and verify attention runs (SublayerModel.attention_route); latency
+# tables are measured and stored per route.
+KERNEL_ROUTE, MATMUL_ROUTE = "kernel", "matmul"
 _enabled = True
 
 

@@ -44,7 +44,7 @@ from pipeline.model.packing import (
     packed_logits,
     pooled_rows,
 )
-from pipeline.model.short_attention import kernel_applies
+from pipeline.model.short_attention import KERNEL_ROUTE, MATMUL_ROUTE, kernel_applies
 from pipeline.model.spec import ModelSpec
 from pipeline.model.weights import LayerWeights, read_weights
 
@@ -81,9 +81,9 @@ class SublayerModel:
         self._cos = torch.empty(0, 1, spec.head_dim, device=device)
         self._sin = torch.empty(0, 1, spec.head_dim, device=device)
         self._scale = spec.head_dim**-0.5
-        # Decode and verify attention through the fused CPU kernel (fp16w mode only: fp32 stays
-        # transformers' exact math).
+        # Decode and verify attention through the fused CPU kernel (fp16w only: fp32 stays transformers' math).
         self._kernel = kernel_applies(mode is ComputeMode.FP16W, torch.device(device), spec.head_dim)
+        self.attention_route = KERNEL_ROUTE if self._kernel else MATMUL_ROUTE  # latency tables are per route
         # Sums the residual updates of a tensor-parallel group (pipeline/parallel/tensor_parallel.py):
         # with a shard of the heads and MLP columns, o_proj and down_proj give partial sums.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None

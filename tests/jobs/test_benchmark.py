@@ -127,9 +127,11 @@ def test_benchmark_across_batch_sizes(tmp_path):
     assert set(records) == {(name, size) for name in ("ar", "lookup", "hf", "knapspec") for size in (1, 3)}
     # The matmuls' attention ran beside the kernel, against the same reference.
     assert set(matmul) == {("ar", 1), ("ar", 3)} and all(r["speedup_vs_ar"] > 0 for r in matmul.values())
-    # KnapSpec in a batch plans for the batch: its planner decided, and the step time was predicted.
+    # KnapSpec in a batch plans for the batch: its planner decided (searched, or found no time for a
+    # search in its share of so short a decode: which, depends on this machine's speeds), and the
+    # step time was predicted.
     planned = records[("knapspec", 3)]
-    assert planned["batch_searches"] >= 1 and planned["step_error_online"] is not None
+    assert planned["batch_searches"] + planned["batch_postponed"] >= 1 and planned["step_error_online"] is not None
     assert records[("knapspec", 1)]["batch_searches"] is None
     assert records[("ar", 3)]["speedup_vs_ar"] == pytest.approx(1.0)
     assert records[("ar", 1)]["speedup_vs_batch1"] == pytest.approx(1.0)

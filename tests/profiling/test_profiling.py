@@ -5,6 +5,8 @@ No test asserts on wall time: timings are checked for shape, sign and finiteness
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -209,6 +211,24 @@ def test_key_file_names_are_safe_and_distinct():
     assert key.file_name() == name  # stable
 
 
+def test_the_attention_route_is_part_of_a_key_and_the_matmuls_keep_their_old_names():
+    matmul = CalibrationKey(device="cpu (2 threads)", model="smollm2", dtype="fp16w")
+    # The name a key had before the route was part of it: tables measured then were the matmuls'.
+    digest = hashlib.sha256("\0".join(["cpu (2 threads)", "smollm2", "fp16w", "pp1-tp1"]).encode()).hexdigest()[:12]
+    assert matmul.file_name().endswith(f"-{digest}.json")
+    kernel = dataclasses.replace(matmul, attention="kernel")
+    assert kernel.file_name() != matmul.file_name() and "-fp16w-kernel-" in kernel.file_name()
+    assert make_calibration(attention="kernel").key.attention == "kernel"
+
+
+def test_a_calibration_from_before_the_route_is_the_matmuls():
+    data = make_calibration().to_dict()
+    del data["attention"]
+    assert Calibration.from_dict(data).key.attention == "matmul"
+    routed = make_calibration(attention="kernel")
+    assert Calibration.from_dict(json.loads(json.dumps(routed.to_dict()))) == routed
+
+
 def make_calibration(**overrides) -> Calibration:
     values = dict(
         latency=LatencyModel(
@@ -273,7 +293,7 @@ def fake_measure(calls: list):
 
 
 def fake_model(mode: ComputeMode = ComputeMode.FP16W):
-    return SimpleNamespace(mode=mode, device=torch.device("cpu"))
+    return SimpleNamespace(mode=mode, device=torch.device("cpu"), attention_route="matmul")
 
 
 def test_store_get_and_put(tmp_path):
@@ -334,6 +354,12 @@ def test_store_refuses_a_key_of_another_dtype(tmp_path):
         CalibrationStore(tmp_path).load_or_measure(fake_model(ComputeMode.FP32), key)
 
 
+def test_store_refuses_a_key_of_another_attention_route(tmp_path):
+    key = CalibrationKey(device_name("cpu"), "tiny", "fp16w", attention="kernel")
+    with pytest.raises(ValueError, match="attention"):
+        CalibrationStore(tmp_path).load_or_measure(fake_model(), key)
+
+
 # -------------------------------------------------------------- measure
 
 
@@ -368,6 +394,7 @@ def test_measure_on_a_tiny_model(tiny_model, caplog):
     assert all(math.isfinite(r) and r >= 0 for r in calibration.fit_residuals.values())
     assert set(calibration.fit_residuals) == {"t_attn", "t_forward"}
     assert (calibration.model, calibration.dtype, calibration.layout) == ("tiny", "fp32", "pp1-tp1")
+    assert calibration.attention == "matmul"  # fp32 never takes the kernel
     assert calibration.device == device_name(tiny_model.device)
     assert Calibration.from_dict(json.loads(json.dumps(calibration.to_dict()))) == calibration
 

@@ -95,7 +95,7 @@ def test_the_calibrate_job_shows_the_measured_table_beside_the_corrected_one():
 
 def test_the_store_records_a_correction_and_plans_from_it(tmp_path):
     store_root = tmp_path / "store"
-    model = SimpleNamespace(mode=SimpleNamespace(value="fp16w"), device=torch.device("cpu"))
+    model = SimpleNamespace(mode=SimpleNamespace(value="fp16w"), device=torch.device("cpu"), attention_route="matmul")
     calibrator = store_calibrator(store_root)
     assert not calibrator.record(model, "tiny", FIT, 100)  # nothing stored: nothing to correct
     CalibrationStore(store_root).put(calibration())
