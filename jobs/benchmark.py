@@ -60,7 +60,7 @@ CONTROL = "ar-control"  # the reference strategy, run a second time
 # Whose plan predicts their speed (the hybrid mixes in copied drafts its layer plan does not predict).
 SEARCHING = ("knapspec", "knapspec-coupled")
 VERIFY_SIZES = (1, 2, 4, 8, 11)
-MATMUL = "matmul"  # DTYPE+matmul: attention by PyTorch's matmuls, not the fused kernel
+MATMUL = short_attention.MATMUL_ROUTE  # DTYPE+matmul: attention by PyTorch's matmuls, not the fused kernel
 
 
 @dataclass
