@@ -76,7 +76,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, help="also write the calibration JSON here")
     parser.add_argument("--force", action="store_true", help="re-measure even if a calibration is stored")
     parser.add_argument("--cache-dir", type=Path, help=f"default: {checkpoint.default_cache_dir()}")
-    parser.add_argument("--store", type=Path, help="calibration store folder (default: CACHE_DIR/calibration)")
+    parser.add_argument(
+        "--store",
+        type=Path,
+        help="calibration store folder (default: $KNAPSPEC_CALIBRATION_DIR, else CACHE_DIR/calibration)",
+    )
     parser.add_argument("--quiet", action="store_true", help="log warnings only")
     parser.add_argument(
         "--address", help="calibrate every node of this Ray cluster ('auto': the one started on this machine)"
@@ -98,8 +102,7 @@ def _check_settings(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> Calibration:
     _check_settings(args)
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir))
-    cache_dir = args.cache_dir or checkpoint.default_cache_dir()
-    store = CalibrationStore(args.store or cache_dir / "calibration")
+    store = CalibrationStore(args.store or (args.cache_dir / "calibration" if args.cache_dir else None))
     key = CalibrationKey.for_model(engine.model, engine.name, layout=DEFAULT_LAYOUT)
     calibration = store.load_or_measure(
         engine.model,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,14 @@ import pytest
 # Ray reads this once, when it is imported: every cluster a test starts stays on 127.0.0.1.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
+from profiling.calibration import STORE_ENV  # noqa: E402
 from tests.builders import TINY_FAMILIES, make_tiny_chat_checkpoint, make_tiny_checkpoint  # noqa: E402
+
+# Latency tables the tests measure (cut-short sweeps on a loaded machine) go to a store of the
+# run's own, which subprocesses and Ray workers inherit, never to the user's: a benchmark run
+# after the tests planned from a table of theirs. One store for the run: measured once, shared.
+_CALIBRATION_STORE = tempfile.TemporaryDirectory(prefix="knapspec-test-calibration-")
+os.environ[STORE_ENV] = _CALIBRATION_STORE.name
 
 
 @pytest.fixture(scope="session", params=sorted(TINY_FAMILIES))

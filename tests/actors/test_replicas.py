@@ -51,9 +51,17 @@ def test_a_killed_replica_with_many_requests_in_flight_gives_the_same_outputs(tm
     )
     first_pid = ray.get(replica.info.remote())["pid"]
     running = [replica.generate.remote(ids, 150, SamplingParams()) for ids in work]
-    time.sleep(1.0)
+    # Kill it while it decodes: a fixed sleep let a fast machine finish every request first, and
+    # then the kill raced the next call. Once a request is in flight and some are unserved, the
+    # retried ones can only come back from the restarted replica.
+    deadline = time.monotonic() + 120
+    while (usage := ray.get(replica.usage.remote()))["busy_s"] <= 0.05 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert usage["served"]["num_requests"] < len(work), "every request finished before the kill"
     ray.kill(replica, no_restart=False)
     assert [out["token_ids"] for out in ray.get(running, timeout=300)] == expected
-    info = ray.get(replica.info.remote())
+    deadline = time.monotonic() + 60
+    while (info := ray.get(replica.info.remote()))["pid"] == first_pid and time.monotonic() < deadline:
+        time.sleep(0.05)  # the kill is asynchronous: a call may still reach the old process
     assert info["pid"] != first_pid and info["max_batch"] == 4  # restarted, and batching again
     ray.kill(replica)
