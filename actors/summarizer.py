@@ -68,6 +68,7 @@ class SummarizerConfig:
     threads_per_replica: int | None = None  # None: a one-node cluster's cores shared, else the reserved CPUs
     documents_in_flight: int | None = None  # None: max_batch per replica and stage
     cache_dir: Path | None = None
+    calibration_dir: Path | None = None  # every node's latency-table store; None: its cache's calibration/
     id_column: str = "id"
     text_column: str = "text"
     reference_column: str | None = "reference_summary"  # ROUGE against it where a row has one
@@ -95,7 +96,13 @@ class Summarizer:
             tensor_parallel=config.tensor_parallel,
             max_batch=config.max_batch,
         )
-        engine = EngineConfig(model=config.model, dtype=config.dtype, device=config.device, cache_dir=config.cache_dir)
+        engine = EngineConfig(
+            model=config.model,
+            dtype=config.dtype,
+            device=config.device,
+            cache_dir=config.cache_dir,
+            calibration_dir=config.calibration_dir,
+        )
         self.pool = ReplicaPool(config.replicas, engine, StrategyConfig(name=config.strategy), resources)
         self.progress_name = f"knapspec-progress-{uuid.uuid4().hex[:12]}"
         self.progress_actor = start_progress(self.progress_name)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.cli import add_repetition_arguments, load_documents, sampling_params
+from pipeline.cli import add_calibration_dir_argument, add_repetition_arguments, load_documents, sampling_params
 from pipeline.decoding.drafters import LayerSkipDrafter
 from pipeline.decoding.loop import (
     DecodeConfig,
@@ -120,13 +121,14 @@ def parse_strategy(text: str) -> tuple[str, str]:
         raise SystemExit(f"error: {text!r}: {e}") from None
 
 
-def build_engine(model: str | None, dtype: str) -> Engine:
+def build_engine(model: str | None, dtype: str, calibration_dir: Path | None = None) -> Engine:
     """The engine of one parsed compute mode; a `+matmul` one is built with the kernel off (its
     latency tables are stored apart: a calibration's key names the attention route)."""
     mode, plus, _ = dtype.partition("+")
     short_attention.use_kernel(not plus)
     try:
-        return Engine(EngineConfig(model=model, dtype=mode), calibrator=store_calibrator())
+        config = EngineConfig(model=model, dtype=mode, calibration_dir=calibration_dir)
+        return Engine(config, calibrator=store_calibrator(calibration_dir))
     finally:
         short_attention.use_kernel(True)
 
@@ -153,6 +155,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reference", default="ar:fp16w", help="the NAME:DTYPE speedups are relative to")
     parser.add_argument("--output", type=Path, default=Path("out"))
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
+    add_calibration_dir_argument(parser, os.environ)
     parser.add_argument(
         "--no-fallback",
         action="store_true",
@@ -371,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         pairs.append((CONTROL, reference[1]))
     lengths = [int(x) for x in args.context_lengths.split(",")]
     documents = load_documents(args.input, args.ids.split(","))
-    engines = {dtype: build_engine(args.model, dtype) for dtype in sorted({d for _, d in pairs})}
+    engines = {dtype: build_engine(args.model, dtype, args.calibration_dir) for dtype in sorted({d for _, d in pairs})}
     tokenizer = next(iter(engines.values())).tokenizer
     if args.recalibrate:
         for dtype in {d for n, d in pairs if n in SEARCHING_STRATEGIES}:
@@ -854,7 +857,6 @@ def format_tables(records: list[Record], verify_rows: list[dict], reference: tup
 def pipeline_throughput(args: argparse.Namespace) -> int:
     """Tokens/s of one pipelined replica with 1 vs k requests in flight (interleaved, repeated,
     medians), and the median round trip of one hidden state to a stage actor."""
-    import os
     from concurrent.futures import ThreadPoolExecutor
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray is imported: stay on 127.0.0.1
@@ -870,7 +872,7 @@ def pipeline_throughput(args: argparse.Namespace) -> int:
     try:
         from pipeline.model import checkpoint
 
-        engine_config = EngineConfig(model=args.model, dtype=dtype)
+        engine_config = EngineConfig(model=args.model, dtype=dtype, calibration_dir=args.calibration_dir)
         path = checkpoint.resolve_checkpoint(args.model)
         tokenizer = checkpoint.load_tokenizer(path)
         texts = list(load_documents(args.input, args.ids.split(",")).values())

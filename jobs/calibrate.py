@@ -20,12 +20,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
 import torch
 
-from pipeline.cli import Parser, check_device, check_model, positive_int, run_reporting_errors
+from pipeline.cli import (
+    Parser,
+    add_calibration_dir_argument,
+    check_device,
+    check_model,
+    positive_int,
+    run_reporting_errors,
+)
 from pipeline.engine import Engine, EngineConfig
 from pipeline.errors import ConfigError
 from pipeline.logs import configure_logging
@@ -76,11 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, help="also write the calibration JSON here")
     parser.add_argument("--force", action="store_true", help="re-measure even if a calibration is stored")
     parser.add_argument("--cache-dir", type=Path, help=f"default: {checkpoint.default_cache_dir()}")
-    parser.add_argument(
-        "--store",
-        type=Path,
-        help="calibration store folder (default: $KNAPSPEC_CALIBRATION_DIR, else CACHE_DIR/calibration)",
-    )
+    add_calibration_dir_argument(parser, os.environ, flag="--store")
     parser.add_argument("--quiet", action="store_true", help="log warnings only")
     parser.add_argument(
         "--address", help="calibrate every node of this Ray cluster ('auto': the one started on this machine)"

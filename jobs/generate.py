@@ -24,6 +24,7 @@ import torch
 
 from pipeline.cli import (
     Parser,
+    add_calibration_dir_argument,
     add_sampling_arguments,
     check_device,
     check_model,
@@ -122,6 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--instruction", default=DEFAULT_INSTRUCTION, help="prompt template containing {document}")
     parser.add_argument("--cache-dir", type=Path, help=f"default: {checkpoint.default_cache_dir()}")
+    add_calibration_dir_argument(parser, os.environ)
     parser.add_argument(
         "--pipeline-parallel",
         type=positive_int,
@@ -284,7 +286,13 @@ def run(args: argparse.Namespace) -> list[dict]:
     documents = [load_document(args.input, doc_id) for doc_id in ids]
     strategy, params = _check_settings(args)
 
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        cache_dir=args.cache_dir,
+        calibration_dir=args.calibration_dir,
+    )
     sharded = args.pipeline_parallel > 1 or args.tensor_parallel > 1
     if sharded:
         engine = _sharded_engine(args, config)

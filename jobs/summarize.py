@@ -23,6 +23,7 @@ from pathlib import Path
 
 from pipeline.cli import (
     Parser,
+    add_calibration_dir_argument,
     add_sampling_arguments,
     positive_float,
     positive_int,
@@ -147,6 +148,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="documents summarized at once (default: --max-batch per replica and stage)",
     )
     parser.add_argument("--cache-dir", type=Path, help="where the embedded model's safetensors copy lives")
+    add_calibration_dir_argument(parser, os.environ)
     parser.add_argument("--quiet", action="store_true", help="log warnings only")
     return parser.parse_args(argv)
 
@@ -259,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
                 threads_per_replica=args.threads_per_replica,
                 documents_in_flight=args.documents_in_flight,
                 cache_dir=args.cache_dir,
+                calibration_dir=args.calibration_dir,
                 # The reader's columns (readers.DOCUMENT_SCHEMA), whatever the input called them.
                 id_column="id",
                 text_column="text",

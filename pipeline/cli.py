@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -53,6 +53,22 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
 positive_int = _int_at_least(1)
 non_negative_int = _int_at_least(0)
+
+# A latency-table store of its own for every job started with it: one shared by a cluster's
+# nodes, or one kept apart from the user's (the tests'). The jobs read it and hand the folder
+# on in their configs, to Ray workers too; nothing below them reads the environment.
+CALIBRATION_DIR_ENV = "KNAPSPEC_CALIBRATION_DIR"
+
+
+def add_calibration_dir_argument(group, environ: Mapping[str, str], flag: str = "--calibration-dir") -> None:
+    """The store folder option, its default taken from `environ` (the job's `os.environ`)."""
+    default = environ.get(CALIBRATION_DIR_ENV)
+    group.add_argument(
+        flag,
+        type=Path,
+        default=Path(default).expanduser() if default else None,
+        help=f"latency-table store folder (default: ${CALIBRATION_DIR_ENV}, else the cache's calibration/)",
+    )
 
 
 def add_sampling_arguments(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,15 +24,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-# A store of its own for every process that inherits the environment (a Ray cluster's workers
-# do): one shared by a cluster's nodes, or one kept apart from the user's own (the tests').
-STORE_ENV = "KNAPSPEC_CALIBRATION_DIR"
-
-
 def default_store_root() -> Path:
-    """$KNAPSPEC_CALIBRATION_DIR where it is set, else the cache directory's `calibration`."""
-    override = os.environ.get(STORE_ENV)
-    return Path(override).expanduser() if override else checkpoint.default_cache_dir() / "calibration"
+    """The cache directory's `calibration` (a job's --calibration-dir names another)."""
+    return checkpoint.default_cache_dir() / "calibration"
 
 
 class CalibrationStore:

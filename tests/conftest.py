@@ -11,14 +11,20 @@ import pytest
 # Ray reads this once, when it is imported: every cluster a test starts stays on 127.0.0.1.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-from profiling.calibration import STORE_ENV  # noqa: E402
+from pipeline.cli import CALIBRATION_DIR_ENV  # noqa: E402
 from tests.builders import TINY_FAMILIES, make_tiny_chat_checkpoint, make_tiny_checkpoint  # noqa: E402
 
 # Latency tables the tests measure (cut-short sweeps on a loaded machine) go to a store of the
-# run's own, which subprocesses and Ray workers inherit, never to the user's: a benchmark run
-# after the tests planned from a table of theirs. One store for the run: measured once, shared.
+# run's own, never to the user's: a benchmark run after the tests planned from a table of theirs.
+# The jobs the tests start read it from the environment; a test building an engine or a replica
+# itself passes `calibration_store`. One store for the run: measured once, shared.
 _CALIBRATION_STORE = tempfile.TemporaryDirectory(prefix="knapspec-test-calibration-")
-os.environ[STORE_ENV] = _CALIBRATION_STORE.name
+os.environ[CALIBRATION_DIR_ENV] = _CALIBRATION_STORE.name
+
+
+@pytest.fixture(scope="session")
+def calibration_store() -> Path:
+    return Path(_CALIBRATION_STORE.name)
 
 
 @pytest.fixture(scope="session", params=sorted(TINY_FAMILIES))

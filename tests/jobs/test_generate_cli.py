@@ -274,3 +274,23 @@ def test_several_ids_decoded_together_equal_each_alone():
 def test_id_and_ids_exclude_each_other():
     proc = run_cli("--input", str(SAMPLE), "--id", SAMPLE_ID, "--ids", f"{SAMPLE_ID},x")
     assert proc.returncode == 2 and "not allowed with" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "script, argv, option",
+    [("generate.py", ["--input", "x.txt"], "calibration_dir"),
+     ("summarize.py", ["--input", "x.jsonl", "--output", "out"], "calibration_dir"),
+     ("benchmark.py", [], "calibration_dir"), ("calibrate.py", [], "store")],
+)  # fmt: skip
+def test_the_jobs_take_the_store_folder_from_the_environment_unless_named(monkeypatch, script, argv, option):
+    """The jobs read $KNAPSPEC_CALIBRATION_DIR (nothing below them does) and hand it on; the
+    flag wins; with neither, None leaves the cache's calibration/ to the store."""
+    from pipeline.cli import CALIBRATION_DIR_ENV
+
+    job = load_job(script, f"{Path(script).stem}_store_option")
+    flag = "--store" if option == "store" else "--calibration-dir"
+    monkeypatch.setenv(CALIBRATION_DIR_ENV, "~/shared-tables")
+    assert getattr(job.parse_args(argv), option) == Path.home() / "shared-tables"
+    assert getattr(job.parse_args([*argv, flag, "named"]), option) == Path("named")
+    monkeypatch.delenv(CALIBRATION_DIR_ENV)
+    assert getattr(job.parse_args(argv), option) is None

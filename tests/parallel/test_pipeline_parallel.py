@@ -278,7 +278,7 @@ class TestRayStages:
         assert len(stored) == 1 and "layer-shapes" in stored[0], stored
 
     @pytest.mark.slow
-    def test_real_model_on_a_sample_document(self):
+    def test_real_model_on_a_sample_document(self, calibration_store):
         """SmolLM2 in two stage actors: ar and knapspec give the single-process tokens on real text."""
         import json
 
@@ -287,7 +287,7 @@ class TestRayStages:
         from pipeline.summarization.prompts import build_prompt
         from profiling.calibration import store_calibrator
 
-        engine = Engine(EngineConfig(dtype="fp32"), calibrator=store_calibrator())
+        engine = Engine(EngineConfig(dtype="fp32"), calibrator=store_calibrator(calibration_store))
         doc = next(json.loads(line) for line in SAMPLE_DOCS.open() if "crs-r48179" in line)
         ids = build_prompt(engine.tokenizer, doc["text"], max_prompt_tokens=600).token_ids
         reference = engine.generate(ids, StrategyConfig("ar"), 24).token_ids

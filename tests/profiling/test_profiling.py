@@ -24,7 +24,7 @@ from pipeline.errors import ConfigError
 from pipeline.knapspec.latency import LatencyModel
 from pipeline.model.linear import ComputeMode
 from profiling import microbench
-from profiling.calibration import STORE_ENV, CalibrationStore, store_calibrator
+from profiling.calibration import CalibrationStore, store_calibrator
 from profiling.fit import fit_linear, relative_rms
 from profiling.record import (
     FORMAT_VERSION,
@@ -296,11 +296,10 @@ def fake_model(mode: ComputeMode = ComputeMode.FP16W):
     return SimpleNamespace(mode=mode, device=torch.device("cpu"), attention_route="matmul")
 
 
-def test_the_store_folder_comes_from_the_environment_else_the_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(STORE_ENV, str(tmp_path / "shared"))
-    assert CalibrationStore().root == tmp_path / "shared"
-    monkeypatch.delenv(STORE_ENV)
+def test_the_store_folder_is_the_cache_s_unless_a_job_names_one(tmp_path):
+    """The jobs read $KNAPSPEC_CALIBRATION_DIR (tests/jobs); the store itself never does."""
     assert CalibrationStore().root == Path.home() / ".cache" / "knapspec-ray" / "calibration"
+    assert CalibrationStore(tmp_path / "shared").root == tmp_path / "shared"
 
 
 def test_store_get_and_put(tmp_path):
