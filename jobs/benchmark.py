@@ -449,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
 
     args.output.mkdir(parents=True, exist_ok=True)
-    settings = vars(args) | {"input": str(args.input), "output": str(args.output), "threads": torch.get_num_threads()}
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    settings["threads"] = torch.get_num_threads()
     correlation = pearson([f["predicted_tpt"] for f in forced], [f["measured_tpt"] for f in forced])
     summary = summarize(records, forced, reference)
     out = {
