@@ -206,6 +206,7 @@ SEARCH_CONFIG = KnapSpecConfig(
     confidence_threshold=0.0,
     prior_strength=1.0,
     max_search_share=None,
+    max_search_share_of_gain=None,
 )
 
 

@@ -42,7 +42,13 @@ from pipeline.knapspec.knapsack import (
     run_dp,
 )
 from pipeline.knapspec.latency import LatencyModel
-from pipeline.knapspec.replanning import KnapSpecConfig, SearchHistory, search_interval, top1_tokens
+from pipeline.knapspec.replanning import (
+    KnapSpecConfig,
+    SearchHistory,
+    search_budget,
+    search_interval,
+    top1_tokens,
+)
 from pipeline.knapspec.tpt import DraftPlan, expected_tokens, smoothed_alpha
 from pipeline.model import items
 
@@ -270,7 +276,7 @@ class BatchPlanner:
         spans, sampled = self._spans(model, requests)
         if not spans:
             return None
-        branches = self._branches(batch, contexts, padded, spans, requests)
+        branches = self._branches(batch, contexts, padded, spans, requests, bound / ar_tpt)
         if branches == 0:
             return None
         problem = self._problem(weights, model.spec.num_layers, branches)
@@ -318,15 +324,16 @@ class BatchPlanner:
         MLP items, which run once for all), before the correction by what searches took."""
         return sum(self.latency.t_search(branches * span.ids.numel(), span.start) for span in spans)
 
-    def _branches(self, batch: BatchLatency, contexts, padded, spans, requests) -> int | None:
-        """The branch cap that keeps the search within its share of the batch's decode time until
-        the next search (KnapSpecDrafter.search_branches, for a batch)."""
-        cap, share = self.config.max_branches, self.config.max_search_share
-        if share is None:
-            return cap
+    def _branches(self, batch: BatchLatency, contexts, padded, spans, requests, bound_gain: float) -> int | None:
+        """The branch cap that keeps the search within its budget over the batch's decode time
+        until the next search (KnapSpecDrafter.search_branches, for a batch)."""
+        cap = self.config.max_branches
         steps_left = max(r.config.max_new_tokens - len(r.output) for r in requests)
         steps = min(search_interval(self.config, self.history, self._weights), max(steps_left, 1))
-        budget = share * steps * batch.t_step((), BatchShape.decoding(contexts, 1, padded))
+        plain = steps * batch.t_step((), BatchShape.decoding(contexts, 1, padded))
+        budget = search_budget(self.config, plain, bound_gain)
+        if budget is None:
+            return cap
         scale = statistics.median(self._cost_ratios) if self._cost_ratios else 1.0
         most = (
             cap if cap is not None else sum(self.latency.item_weights(_mean(contexts), self.config.weight_cap)) // 2 + 1

@@ -16,7 +16,7 @@ import torch
 
 from pipeline.decoding.drafters import DraftRequest
 from pipeline.knapspec.knapsack import KnapsackProblem, default_always_execute, most_saved, run_knapsack
-from pipeline.knapspec.replanning import KnapSpecConfig, ReplanningDrafter, top1_tokens
+from pipeline.knapspec.replanning import KnapSpecConfig, ReplanningDrafter, search_budget, top1_tokens
 from pipeline.knapspec.tpt import DraftPlan, ScoredCandidate, choose_plan, smoothed_alpha
 from pipeline.model import items
 from pipeline.model.sublayer_model import SublayerModel
@@ -32,11 +32,16 @@ class KnapSpecDrafter(ReplanningDrafter):
         def t_verify(k: int) -> float:
             return self.latency.t_verify(k, context)
 
-        bound = self.optimistic_candidate(weights, context, request.model.spec.num_layers)
-        if choose_plan([bound], t_verify, config.max_draft, config.margin).use_ar:
+        bound = choose_plan(
+            [self.optimistic_candidate(weights, context, request.model.spec.num_layers)],
+            t_verify,
+            config.max_draft,
+            config.margin,
+        )
+        if bound.use_ar:
             # Not even a perfect draft at the cheapest cost the budget allows would win: skip the DP.
             return choose_plan([], t_verify, config.max_draft, config.margin)
-        branches = self.search_branches(context, steps_left=request.max_tokens + 1)
+        branches = self.search_branches(context, request.max_tokens + 1, bound.predicted_tpt / bound.ar_tpt)
         if branches == 0:
             return None
         ref_ids, prefix = self.reference(request)
@@ -56,15 +61,16 @@ class KnapSpecDrafter(ReplanningDrafter):
         predicts it (before the engine's correction by what its searches took)."""
         return self.latency.t_search(branches * self.config.num_reference_tokens, context)
 
-    def search_branches(self, context: int, steps_left: int) -> int | None:
-        """The branch cap that keeps a search within its share of the decode time it plans
-        for: the configured cap when that fits, fewer when not, 0 when not even one does.
-        `steps_left`: the request's tokens left, decoded at the engine's recent tokens per step."""
-        cap, share = self.config.max_branches, self.config.max_search_share
-        if share is None:
-            return cap
+    def search_branches(self, context: int, steps_left: int, bound_gain: float | None = None) -> int | None:
+        """The branch cap that keeps a search within its budget (replanning.search_budget) over
+        the decode time it plans for: the configured cap when that fits, fewer when not, 0 when
+        not even one does. `steps_left`: the request's tokens left, decoded at the engine's
+        recent tokens per step; `bound_gain`: the optimistic bound's tokens/s over AR's."""
+        cap = self.config.max_branches
         steps = min(self._interval(), max(steps_left / self.history.tokens_per_step(), 1.0))
-        budget = share * steps * self.latency.t_verify(1, context)
+        budget = search_budget(self.config, steps * self.latency.t_verify(1, context), bound_gain)
+        if budget is None:
+            return cap
         scale = self.history.search_cost_scale()
         # Uncapped, the DP keeps at most one cell per budget: half the total weight, + 1.
         most = cap if cap is not None else sum(self.latency.item_weights(context, self.config.weight_cap)) // 2 + 1

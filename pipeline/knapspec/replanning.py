@@ -57,6 +57,10 @@ class KnapSpecConfig:
     # the end of the request): fewer branches when that budget is tight, no search when not
     # even one fits. None: unbounded.
     max_search_share: float | None = 0.05
+    # And at most this share of the most a perfect draft could save in that time (the optimistic
+    # bound's gain over AR): where even a perfect draft would gain little, as at batch 1 on a CPU
+    # whose drafts cost most of a forward, a search cannot pay for itself. None: no such bound.
+    max_search_share_of_gain: float | None = 0.5
     weight_cap: int = 5
     coupled: bool = False  # skip a layer's attention and MLP together (the paper's ablation)
     prior_mean: float = DEFAULT_PRIOR_MEAN
@@ -69,6 +73,10 @@ class KnapSpecConfig:
             raise ConfigError("reoptimize_every and max_draft must be >= 1")
         if self.max_search_share is not None and not 0 < self.max_search_share <= 1:
             raise ConfigError(f"max_search_share must be in (0, 1] or None, got {self.max_search_share}")
+        if self.max_search_share_of_gain is not None and not 0 < self.max_search_share_of_gain <= 1:
+            raise ConfigError(
+                f"max_search_share_of_gain must be in (0, 1] or None, got {self.max_search_share_of_gain}"
+            )
 
 
 # Decode steps whose tokens a SearchHistory remembers: a few requests' worth.
@@ -267,6 +275,18 @@ def search_interval(config: KnapSpecConfig, history: SearchHistory, weights: tup
     backs off (doubling, up to 8x): a search that keeps finding nothing should not keep costing."""
     num_ar = history.consecutive_ar(weights) if weights is not None else 0
     return config.reoptimize_every * 2 ** min(max(num_ar - 1, 0), 3)
+
+
+def search_budget(config: KnapSpecConfig, plain_seconds: float, bound_gain: float | None) -> float | None:
+    """Seconds a search may take when it plans for `plain_seconds` of plain decoding: its share of
+    that time, and its share of the most a perfect draft could save there (`bound_gain`: the
+    optimistic bound's tokens/s over AR's; None: not known). None: unbounded."""
+    budgets = []
+    if config.max_search_share is not None:
+        budgets.append(config.max_search_share * plain_seconds)
+    if config.max_search_share_of_gain is not None and bound_gain is not None:
+        budgets.append(config.max_search_share_of_gain * plain_seconds * max(1.0 - 1.0 / bound_gain, 0.0))
+    return min(budgets) if budgets else None
 
 
 def top1_tokens(model: SublayerModel, hidden: torch.Tensor) -> torch.Tensor:

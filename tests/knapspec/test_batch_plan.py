@@ -201,8 +201,8 @@ def batch_table(num_layers: int) -> LatencyModel:
     )
 
 
-def planned_batch(model, latency, hybrid: bool = False):
-    config = dataclasses.replace(SEARCH_CONFIG, max_search_share=None)
+def planned_batch(model, latency, hybrid: bool = False, **overrides):
+    config = dataclasses.replace(SEARCH_CONFIG, max_search_share=None, **overrides)
     planner = BatchPlanner(latency, config)
 
     def drafter():
@@ -255,6 +255,36 @@ def test_batch_plans_that_skip_keep_every_requests_tokens(tiny_deep_llama, hybri
         getattr(r.drafter, "num_lookup_drafted", 0) for r in requests
     )
     assert layer_drafted > 0
+
+
+def test_a_batch_search_that_cannot_pay_for_itself_is_postponed(tiny_deep_llama, monkeypatch):
+    """Where the search would cost more than its share of what a perfect draft could save, the
+    batch decodes plainly until the next check: no DP runs and every request keeps its tokens.
+    The same batch with room for its search searches."""
+    calls = []
+    real = batch_plan.search_batch_candidates
+    monkeypatch.setattr(batch_plan, "search_batch_candidates", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _, model = load_tiny(tiny_deep_llama)
+    prompts = [repeating_prompt(n, seed) for seed, n in enumerate((30, 41))]
+    expected = [decode(model, prefill(model, p, 40), DecodeConfig(40), SamplingParams()).token_ids for p in prompts]
+
+    def decode_with(share_of_gain: float) -> BatchPlanner:
+        planner, drafter = planned_batch(
+            model, batch_table(model.spec.num_layers), max_search_share_of_gain=share_of_gain, reoptimize_every=40
+        )
+        requests = [
+            DecodingRequest(prefill(model, p, 40), DecodeConfig(40), SamplingParams(), drafter(), p.tolist())
+            for p in prompts
+        ]
+        for prompt, result, tokens in zip(prompts, decode_batch(model, requests), expected):
+            assert_same_or_near_tie(model, prompt, result.token_ids, tokens)
+        return planner
+
+    stingy = decode_with(1e-4)
+    assert calls == [] and stingy.num_postponed >= 1
+    assert not any(s["searched"] for s in stingy.searches)
+    generous = decode_with(1.0)
+    assert calls and any(s["searched"] for s in generous.searches)
 
 
 def test_requests_join_the_batch_plan_and_plan_alone_when_left_alone(tiny_deep_llama):

@@ -14,7 +14,7 @@ from pipeline.decoding.sampling import SamplingParams
 from pipeline.knapspec.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter, evaluate_skip_sets
 from pipeline.knapspec.drafter import KnapSpecDrafter
 from pipeline.knapspec.hybrid import KnapSpecLookupDrafter
-from pipeline.knapspec.replanning import KnapSpecConfig
+from pipeline.knapspec.replanning import KnapSpecConfig, search_budget
 from tests.builders import SEARCH_CONFIG, load_tiny, synthetic_latency
 
 # Few reference tokens and a weak prior: tiny models give the DP little to go on. Searches
@@ -240,6 +240,48 @@ def test_search_budget_sets_the_branch_cap():
     assert drafter.search_branches(context=100, steps_left=500) == 0
 
 
+def test_search_budget_is_the_smaller_of_its_shares():
+    """5% of the decode planned for, and half of what a perfect draft could save in it."""
+    config = replace(SEARCH_CONFIG, max_search_share=0.05, max_search_share_of_gain=0.5)
+    assert search_budget(config, 10.0, bound_gain=None) == pytest.approx(0.5)
+    assert search_budget(config, 10.0, bound_gain=2.0) == pytest.approx(0.5)  # could save 5 s: the 5% binds
+    assert search_budget(config, 10.0, bound_gain=1.05) == pytest.approx(0.5 * 10.0 * (1 - 1 / 1.05))
+    assert search_budget(config, 10.0, bound_gain=0.9) == 0.0  # a bound below AR saves nothing
+    assert search_budget(replace(config, max_search_share=None), 10.0, 1.25) == pytest.approx(1.0)
+    assert search_budget(replace(config, max_search_share_of_gain=None), 10.0, 1.01) == pytest.approx(0.5)
+    assert search_budget(SEARCH_CONFIG, 10.0, 1.01) is None
+
+
+def test_a_search_that_cannot_pay_for_itself_gets_fewer_branches_or_none():
+    """Where a perfect draft would gain 5%, half of that over 64 steps is 1.5 forwards: not
+    one branch (a search costs about 1 + B·r/12 forwards); at 10%, 2.9 forwards: 2 branches."""
+    lat = synthetic_latency(8, verify_growth=0.0)
+    bounded = replace(SEARCH_CONFIG, max_search_share=0.05, max_search_share_of_gain=0.5, reoptimize_every=64)
+    drafter = KnapSpecDrafter(lat, replace(bounded, max_branches=4))
+    assert drafter.search_branches(context=100, steps_left=500, bound_gain=2.0) == 3  # as without the bound
+    assert drafter.search_branches(context=100, steps_left=500, bound_gain=1.1) == 2
+    assert drafter.search_branches(context=100, steps_left=500, bound_gain=1.05) == 0
+
+
+def test_a_request_whose_search_cannot_pay_decodes_plainly_and_exactly(tiny_deep_llama, monkeypatch):
+    from pipeline.knapspec import drafter as knapspec
+
+    calls = []
+    real = knapspec.search_candidates
+    monkeypatch.setattr(knapspec, "search_candidates", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _, model = load_tiny(tiny_deep_llama)
+    lat = synthetic_latency(model.spec.num_layers, verify_growth=0.0)
+    prompt = prompt_ids(0)
+    expected = run(model, prompt, NoDraft(), max_new=30).token_ids
+    stingy = KnapSpecDrafter(lat, replace(SEARCH_CONFIG, max_search_share_of_gain=1e-4))
+    result = run(model, prompt, stingy, max_new=30)
+    assert calls == [] and result.extra["num_searches_postponed"] >= 1 and not stingy.plans
+    assert result.token_ids == expected
+    generous = KnapSpecDrafter(lat, replace(SEARCH_CONFIG, max_search_share_of_gain=1.0))
+    assert run(model, prompt, generous, max_new=30).token_ids == expected
+    assert calls and generous.plans  # the same request with room for a search searches
+
+
 def test_search_budget_counts_the_steps_left_not_the_tokens():
     """Where the engine's recent steps emitted two tokens each (accepted drafts), 80 tokens left
     are 40 steps of decoding: the search gets the budget of 40 steps, not of 64."""
@@ -284,3 +326,5 @@ def test_an_unbounded_exact_search_runs(tiny_deep_llama):
 def test_search_budget_is_validated():
     with pytest.raises(Exception, match="max_search_share"):
         KnapSpecConfig(max_search_share=0.0)
+    with pytest.raises(Exception, match="max_search_share_of_gain"):
+        KnapSpecConfig(max_search_share_of_gain=1.5)
