@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import statistics
 import sys
@@ -289,10 +290,7 @@ def batch_record(
         tokens_equal_ar=all(r.token_ids == alone[i] for run in runs for i, r in enumerate(run.results)),
         repeats=len(runs),
         predicted_tpt=_median_extra(results, "predicted_tpt"),
-        dp_overhead_frac=max(
-            [r.extra["optimize_s"] / r.stats.decode_s for r in results if "optimize_s" in r.extra and r.stats.decode_s],
-            default=None,
-        ),
+        dp_overhead_frac=max((share for run in runs if (share := search_share(run)) is not None), default=None),
         skipped_attn=_median_extra(results, "mean_skipped_attn"),
         skipped_mlp=_median_extra(results, "mean_skipped_mlp"),
         batch_size=size,
@@ -317,6 +315,17 @@ def batch_record(
             [s["best_draft_alpha"] for run in runs for s in run.searches if s["best_draft_alpha"] is not None]
         ),
     )
+
+
+def search_share(run: BatchRun) -> float | None:
+    """The run's search time over its decode time (None: no request of it searches). Every
+    search stalls the whole batch, whether the batch planner runs it (each member carries its
+    share of the time) or a request left alone runs its own, so the batch's search time is the
+    sum over its requests, and its decode time the batch's."""
+    searched = [r.extra["optimize_s"] for r in run.results if "optimize_s" in r.extra]
+    if not searched or run.decode_s <= 0:
+        return None
+    return math.fsum(searched) / run.decode_s
 
 
 def verify_costs(engine: Engine, prompt_ids: torch.Tensor, rounds: int = 9) -> dict:

@@ -47,6 +47,7 @@ from pipeline.knapspec.replanning import (
     SearchHistory,
     search_budget,
     search_interval,
+    steps_planned_for,
     top1_tokens,
 )
 from pipeline.knapspec.tpt import DraftPlan, expected_tokens, smoothed_alpha
@@ -328,8 +329,10 @@ class BatchPlanner:
         """The branch cap that keeps the search within its budget over the batch's decode time
         until the next search (KnapSpecDrafter.search_branches, for a batch)."""
         cap = self.config.max_branches
-        steps_left = max(r.config.max_new_tokens - len(r.output) for r in requests)
-        steps = min(search_interval(self.config, self.history, self._weights), max(steps_left, 1))
+        # The batch decodes until its longest request is done, at its requests' tokens per step.
+        tokens_left = max(r.config.max_new_tokens - len(r.output) for r in requests)
+        interval = search_interval(self.config, self.history, self._weights)
+        steps = steps_planned_for(interval, tokens_left, self.history.tokens_per_step())
         plain = steps * batch.t_step((), BatchShape.decoding(contexts, 1, padded))
         budget = search_budget(self.config, plain, bound_gain)
         if budget is None:

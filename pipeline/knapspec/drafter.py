@@ -16,7 +16,13 @@ import torch
 
 from pipeline.decoding.drafters import DraftRequest
 from pipeline.knapspec.knapsack import KnapsackProblem, default_always_execute, most_saved, run_knapsack
-from pipeline.knapspec.replanning import KnapSpecConfig, ReplanningDrafter, search_budget, top1_tokens
+from pipeline.knapspec.replanning import (
+    KnapSpecConfig,
+    ReplanningDrafter,
+    search_budget,
+    steps_planned_for,
+    top1_tokens,
+)
 from pipeline.knapspec.tpt import DraftPlan, ScoredCandidate, choose_plan, smoothed_alpha
 from pipeline.model import items
 from pipeline.model.sublayer_model import SublayerModel
@@ -67,7 +73,7 @@ class KnapSpecDrafter(ReplanningDrafter):
         not even one does. `steps_left`: the request's tokens left, decoded at the engine's
         recent tokens per step; `bound_gain`: the optimistic bound's tokens/s over AR's."""
         cap = self.config.max_branches
-        steps = min(self._interval(), max(steps_left / self.history.tokens_per_step(), 1.0))
+        steps = steps_planned_for(self._interval(), steps_left, self.history.tokens_per_step())
         budget = search_budget(self.config, steps * self.latency.t_verify(1, context), bound_gain)
         if budget is None:
             return cap

@@ -277,6 +277,12 @@ def search_interval(config: KnapSpecConfig, history: SearchHistory, weights: tup
     return config.reoptimize_every * 2 ** min(max(num_ar - 1, 0), 3)
 
 
+def steps_planned_for(interval: int, tokens_left: int, tokens_per_step: float) -> float:
+    """The decode steps a search plans for: until the next search, or until the tokens left run
+    out at the engine's recent tokens per step (accepted and copied drafts shorten a decode)."""
+    return min(float(interval), max(tokens_left / tokens_per_step, 1.0))
+
+
 def search_budget(config: KnapSpecConfig, plain_seconds: float, bound_gain: float | None) -> float | None:
     """Seconds a search may take when it plans for `plain_seconds` of plain decoding: its share of
     that time, and its share of the most a perfect draft could save there (`bound_gain`: the

@@ -43,6 +43,25 @@ def test_runs_alternate_their_order():
     assert benchmark.run_order(pairs, 2) == pairs
 
 
+def test_a_batch_search_counts_against_the_batch_decode_time():
+    from pipeline.decoding.loop import GenerationResult
+    from pipeline.decoding.stats import GenerationStats
+
+    benchmark = load_job("benchmark.py", "benchmark_script")
+
+    def result(optimize_s=None, decode_s=10.0):
+        extra = {} if optimize_s is None else {"optimize_s": optimize_s}
+        return GenerationResult([1, 2], GenerationStats(decode_s=decode_s), "length", extra)
+
+    # A batch planner's search of 0.4 s, a quarter carried by each of four requests, and a
+    # last request's own search of 0.1 s: 0.5 s in which none of the batch decoded.
+    batch = [result(0.1), result(0.1), result(0.1, decode_s=6.0), result(0.2, decode_s=8.0)]
+    run = benchmark.BatchRun(batch, decode_s=10.0, prefill_s=1.0)
+    assert benchmark.search_share(run) == pytest.approx(0.05)
+    assert benchmark.search_share(benchmark.BatchRun([result(0.3)], decode_s=6.0, prefill_s=1.0)) == pytest.approx(0.05)
+    assert benchmark.search_share(benchmark.BatchRun([result(), result()], decode_s=5.0, prefill_s=1.0)) is None
+
+
 def record(benchmark, strategy, context, speedup, predicted=None, measured=10.0, share=None, equal=True):
     return benchmark.Record(
         strategy=strategy, dtype="fp16w", doc_id="d", context_tokens=context, new_tokens=64,

@@ -202,7 +202,7 @@ def batch_table(num_layers: int) -> LatencyModel:
 
 
 def planned_batch(model, latency, hybrid: bool = False, **overrides):
-    config = dataclasses.replace(SEARCH_CONFIG, max_search_share=None, **overrides)
+    config = dataclasses.replace(SEARCH_CONFIG, **({"max_search_share": None} | overrides))
     planner = BatchPlanner(latency, config)
 
     def drafter():
@@ -285,6 +285,28 @@ def test_a_batch_search_that_cannot_pay_for_itself_is_postponed(tiny_deep_llama,
     assert not any(s["searched"] for s in stingy.searches)
     generous = decode_with(1.0)
     assert calls and any(s["searched"] for s in generous.searches)
+
+
+def test_a_batch_search_plans_for_the_steps_at_its_tokens_per_step(tiny_deep_llama, monkeypatch):
+    """A batch whose requests accept drafts decodes its tokens in fewer steps: its search budget
+    counts those steps, not one per token (with copied drafts a search took 5.5% of a decode
+    budgeted at 5%)."""
+    seen = []
+    real = batch_plan.steps_planned_for
+    monkeypatch.setattr(batch_plan, "steps_planned_for", lambda *a: seen.append(a) or real(*a))
+    _, model = load_tiny(tiny_deep_llama)
+    planner, drafter = planned_batch(model, batch_table(model.spec.num_layers), max_search_share=0.05)
+    planner.history.step_tokens.extend([2] * 8)  # earlier requests: two tokens a step
+    prompts = [repeating_prompt(n, seed) for seed, n in enumerate((30, 41))]
+    requests = [
+        DecodingRequest(prefill(model, p, 40), DecodeConfig(40), SamplingParams(), drafter(), p.tolist())
+        for p in prompts
+    ]
+    decode_batch(model, requests)
+    assert seen, "a batch search was budgeted"
+    interval, tokens_left, tokens_per_step = seen[0]
+    assert tokens_left <= 40 and tokens_per_step == pytest.approx(planner.history.tokens_per_step(), rel=0.5)
+    assert tokens_per_step > 1.0
 
 
 def test_requests_join_the_batch_plan_and_plan_alone_when_left_alone(tiny_deep_llama):

@@ -14,7 +14,7 @@ from pipeline.decoding.sampling import SamplingParams
 from pipeline.knapspec.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter, evaluate_skip_sets
 from pipeline.knapspec.drafter import KnapSpecDrafter
 from pipeline.knapspec.hybrid import KnapSpecLookupDrafter
-from pipeline.knapspec.replanning import KnapSpecConfig, search_budget
+from pipeline.knapspec.replanning import KnapSpecConfig, search_budget, steps_planned_for
 from tests.builders import SEARCH_CONFIG, load_tiny, synthetic_latency
 
 # Few reference tokens and a weak prior: tiny models give the DP little to go on. Searches
@@ -250,6 +250,14 @@ def test_search_budget_is_the_smaller_of_its_shares():
     assert search_budget(replace(config, max_search_share=None), 10.0, 1.25) == pytest.approx(1.0)
     assert search_budget(replace(config, max_search_share_of_gain=None), 10.0, 1.01) == pytest.approx(0.5)
     assert search_budget(SEARCH_CONFIG, 10.0, 1.01) is None
+
+
+def test_a_search_plans_for_the_steps_its_decode_will_take():
+    """Until the next search, or until the tokens left run out at the recent tokens per step."""
+    assert steps_planned_for(64, 64, 1.0) == 64
+    assert steps_planned_for(64, 64, 1.6) == pytest.approx(40)  # copied drafts: fewer steps
+    assert steps_planned_for(40, 200, 1.0) == 40
+    assert steps_planned_for(64, 0, 1.0) == 1.0
 
 
 def test_a_search_that_cannot_pay_for_itself_gets_fewer_branches_or_none():
