@@ -24,7 +24,7 @@ from tests.builders import (
     SEARCH_CONFIG,
     assert_same_or_near_tie,
     generate,
-    items_skipped_per_stage,
+    weight_skipped_per_stage,
     load_tiny,
     make_tiny_chat_checkpoint,
     make_tiny_checkpoint,
@@ -351,7 +351,7 @@ def test_generate_cli_through_pipeline_stages(tmp_path):
 def test_a_slower_stage_gets_more_of_its_items_skipped(tmp_path, slow):
     """Heterogeneous devices: stage `slow` waits 1 ms in every sublayer (a slower device, which its
     device's profile measures: this tiny model's sublayers take well under 1 ms here); its items
-    weigh more, and the knapsack skips more of them than of the fast stage's."""
+    weigh more, and the knapsack skips more of its time than of the fast stage's."""
     from profiling.device_profile import device_calibration, stage_table
 
     # Every layer nearly redundant: agreement does not tell the stages apart, latency does.
@@ -373,5 +373,5 @@ def test_a_slower_stage_gets_more_of_its_items_skipped(tmp_path, slow):
     assert stage_weight[slow] > 1.5 * stage_weight[fast], weights
     assert latency.stages[slow].t_mlp > 1e-3 > latency.stages[fast].t_mlp
 
-    skipped = items_skipped_per_stage(pipeline, weights)
-    assert skipped[slow] > skipped[fast], skipped
+    skipped = weight_skipped_per_stage(pipeline, weights)
+    assert skipped[slow] > skipped[fast], (skipped, weights)

@@ -1,6 +1,6 @@
 """Two Ray nodes on this machine (ray.cluster_utils.Cluster, each with its own resources), the
 second one slower: a replica's stages land on both, each node's profiler calibrates its own
-device, the knapsack skips more of the slow node's items, and the tokens are the
+device, the knapsack skips more of the slow node's time, and the tokens are the
 single-process model's. Placement errors name what the cluster lacks."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tests.builders import (
     REPO,
     SEARCH_CONFIG,
     generate,
-    items_skipped_per_stage,
+    weight_skipped_per_stage,
     load_tiny,
     make_tiny_checkpoint,
     random_prompt,
@@ -84,8 +84,8 @@ def test_stages_on_both_nodes_weighed_by_their_own_profiler(two_nodes, quiet_mod
         assert stage_weight[slow] > 1.5 * stage_weight[fast], weights
 
         model = staged.model
-        skipped = items_skipped_per_stage(model, weights)
-        assert skipped[slow] > skipped[fast], skipped
+        skipped = weight_skipped_per_stage(model, weights)
+        assert skipped[slow] > skipped[fast], (skipped, weights)
 
         # And decoding with that latency model gives the single-process tokens.
         _, whole = load_tiny(quiet_model)
