@@ -24,7 +24,6 @@ from tests.builders import (
     SEARCH_CONFIG,
     assert_same_or_near_tie,
     generate,
-    weight_skipped_per_stage,
     load_tiny,
     make_tiny_chat_checkpoint,
     make_tiny_checkpoint,
@@ -32,6 +31,7 @@ from tests.builders import (
     random_prompt,
     repeating_prompt,
     synthetic_latency,
+    weight_skipped_per_stage,
 )
 from tests.slow_device import slow_down, slowed
 

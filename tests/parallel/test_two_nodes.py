@@ -19,10 +19,10 @@ from tests.builders import (
     REPO,
     SEARCH_CONFIG,
     generate,
-    weight_skipped_per_stage,
     load_tiny,
     make_tiny_checkpoint,
     random_prompt,
+    weight_skipped_per_stage,
 )
 
 pytestmark = pytest.mark.ray
