@@ -45,6 +45,7 @@ from pipeline.knapspec.latency import LatencyModel
 from pipeline.knapspec.replanning import (
     KnapSpecConfig,
     SearchHistory,
+    branches_within,
     search_budget,
     search_interval,
     steps_planned_for,
@@ -341,10 +342,7 @@ class BatchPlanner:
         most = (
             cap if cap is not None else sum(self.latency.item_weights(_mean(contexts), self.config.weight_cap)) // 2 + 1
         )
-        for branches in range(most, 0, -1):
-            if self.search_cost(branches, spans) * scale <= budget:
-                return branches
-        return 0
+        return branches_within(budget, most, lambda branches: self.search_cost(branches, spans) * scale)
 
     def _problem(self, weights: tuple[int, ...], num_layers: int, branches: int | None) -> KnapsackProblem:
         config = self.config

@@ -19,6 +19,7 @@ from pipeline.knapspec.knapsack import KnapsackProblem, default_always_execute, 
 from pipeline.knapspec.replanning import (
     KnapSpecConfig,
     ReplanningDrafter,
+    branches_within,
     search_budget,
     steps_planned_for,
     top1_tokens,
@@ -80,10 +81,7 @@ class KnapSpecDrafter(ReplanningDrafter):
         scale = self.history.search_cost_scale()
         # Uncapped, the DP keeps at most one cell per budget: half the total weight, + 1.
         most = cap if cap is not None else sum(self.latency.item_weights(context, self.config.weight_cap)) // 2 + 1
-        for branches in range(most, 0, -1):
-            if self.search_cost(branches, context) * scale <= budget:
-                return branches
-        return 0
+        return branches_within(budget, most, lambda branches: self.search_cost(branches, context) * scale)
 
     def optimistic_candidate(self, weights: tuple[int, ...], context: int, num_layers: int) -> ScoredCandidate:
         """An upper bound on any candidate: α as if every reference token matched, and the

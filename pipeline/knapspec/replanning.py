@@ -12,6 +12,7 @@ import logging
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -281,6 +282,12 @@ def steps_planned_for(interval: int, tokens_left: int, tokens_per_step: float) -
     """The decode steps a search plans for: until the next search, or until the tokens left run
     out at the engine's recent tokens per step (accepted and copied drafts shorten a decode)."""
     return min(float(interval), max(tokens_left / tokens_per_step, 1.0))
+
+
+def branches_within(budget: float, most: int, seconds: Callable[[int], float]) -> int:
+    """The most branches, up to `most`, whose search `seconds(branches)` fits the budget; 0 when
+    not even one does."""
+    return next((branches for branches in range(most, 0, -1) if seconds(branches) <= budget), 0)
 
 
 def search_budget(config: KnapSpecConfig, plain_seconds: float, bound_gain: float | None) -> float | None:
