@@ -220,6 +220,7 @@ class BatchPlanner:
         batch = BatchLatency.of(self.latency, cost.current() if cost is not None else None)
         contexts = [r.cache.length for r in requests]
         padded = pooled(requests)
+        self.history.decoded(batch.t_step((), BatchShape.decoding(contexts, 1, padded)))
         weights = tuple(batch.item_weights(BatchShape.decoding(contexts, 1, padded), self.config.weight_cap))
         self._steps += 1
         searched = False
@@ -278,7 +279,8 @@ class BatchPlanner:
         spans, sampled = self._spans(model, requests)
         if not spans:
             return None
-        branches = self._branches(batch, contexts, padded, spans, requests, bound / ar_tpt)
+        gain = bound / ar_tpt
+        branches = self._branches(batch, contexts, padded, spans, requests, gain)
         if branches == 0:
             return None
         problem = self._problem(weights, model.spec.num_layers, branches)
@@ -301,6 +303,7 @@ class BatchPlanner:
         estimate = self.search_cost(branches, spans)
         if estimate > 0:
             self._cost_ratios.append(seconds / estimate)
+        self.history.searched(seconds, search_budget(config, 1.0, gain))
         self._record(choice, weights, contexts, seconds, requests, searched=True)
         return choice.plan
 
@@ -338,6 +341,7 @@ class BatchPlanner:
         budget = search_budget(self.config, plain, bound_gain)
         if budget is None:
             return cap
+        budget -= self.history.search_debt  # what earlier searches took and decoding has not paid back
         scale = statistics.median(self._cost_ratios) if self._cost_ratios else 1.0
         most = (
             cap if cap is not None else sum(self.latency.item_weights(_mean(contexts), self.config.weight_cap)) // 2 + 1

@@ -48,7 +48,8 @@ class KnapSpecDrafter(ReplanningDrafter):
         if bound.use_ar:
             # Not even a perfect draft at the cheapest cost the budget allows would win: skip the DP.
             return choose_plan([], t_verify, config.max_draft, config.margin)
-        branches = self.search_branches(context, request.max_tokens + 1, bound.predicted_tpt / bound.ar_tpt)
+        gain = bound.predicted_tpt / bound.ar_tpt
+        branches = self.search_branches(context, request.max_tokens + 1, gain)
         if branches == 0:
             return None
         ref_ids, prefix = self.reference(request)
@@ -56,10 +57,12 @@ class KnapSpecDrafter(ReplanningDrafter):
         search = replace(config, max_branches=branches)
         t0 = time.perf_counter()
         candidates = search_candidates(request.model, request.cache, ref_ids, prefix, weights, search, bypass)
+        seconds = time.perf_counter() - t0
         # Unbounded (no cap, no budget), the search's cells are not known beforehand: nothing to correct.
         estimate = self.search_cost(branches, context) if branches is not None else 0.0
         if estimate > 0:
-            self.history.search_cost_ratios.append((time.perf_counter() - t0) / estimate)
+            self.history.search_cost_ratios.append(seconds / estimate)
+        self.history.searched(seconds, search_budget(config, 1.0, gain))
         scored = [self.score(skip, top1, candidates[0][1], context) for skip, top1 in candidates]
         return choose_plan(scored, t_verify, config.max_draft, config.margin)
 
@@ -70,14 +73,15 @@ class KnapSpecDrafter(ReplanningDrafter):
 
     def search_branches(self, context: int, steps_left: int, bound_gain: float | None = None) -> int | None:
         """The branch cap that keeps a search within its budget (replanning.search_budget) over
-        the decode time it plans for: the configured cap when that fits, fewer when not, 0 when
-        not even one does. `steps_left`: the request's tokens left, decoded at the engine's
+        the decode time it plans for, less the engine's search debt: the configured cap when that
+        fits, fewer when not, 0 when not even MIN_SEARCH_BRANCHES do. `steps_left`: the request's tokens left, decoded at the engine's
         recent tokens per step; `bound_gain`: the optimistic bound's tokens/s over AR's."""
         cap = self.config.max_branches
         steps = steps_planned_for(self._interval(), steps_left, self.history.tokens_per_step())
         budget = search_budget(self.config, steps * self.latency.t_verify(1, context), bound_gain)
         if budget is None:
             return cap
+        budget -= self.history.search_debt  # what earlier searches took and decoding has not paid back
         scale = self.history.search_cost_scale()
         # Uncapped, the DP keeps at most one cell per budget: half the total weight, + 1.
         most = cap if cap is not None else sum(self.latency.item_weights(context, self.config.weight_cap)) // 2 + 1

@@ -112,6 +112,7 @@ class KnapSpecLookupDrafter:
             if tpt_lookup >= gain_layers / self.latency.t_verify(1, context):
                 self._used_lookup = True
                 self._proposed = (len(request.token_ids), draft.token_ids)
+                self.knapspec.count_step(context)
                 return draft
             # The tokens after `pending` will tell how this copy would have done, position by position.
             self._shadows.append((len(request.token_ids), copied))

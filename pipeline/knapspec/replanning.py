@@ -42,6 +42,10 @@ from pipeline.model.sublayer_model import SublayerModel
 
 logger = logging.getLogger(__name__)
 
+# The fewest DP cells per row worth a search: the full model's cell is kept first
+# (knapsack.advance), so a DP of one branch never finds a draft.
+MIN_SEARCH_BRANCHES = 2
+
 
 @dataclass(frozen=True)
 class KnapSpecConfig:
@@ -53,7 +57,7 @@ class KnapSpecConfig:
     threshold: float = DEFAULT_THRESHOLD  # τ of the DP
     confidence_threshold: float = DEFAULT_CONFIDENCE_THRESHOLD
     margin: float = DEFAULT_MARGIN  # how much speculation must beat AR by
-    max_branches: int | None = 4  # DP cells kept per row
+    max_branches: int | None = 4  # DP cells kept per row (at least MIN_SEARCH_BRANCHES)
     # The DP's share of the decode time it plans for (the steps until the next search, or to
     # the end of the request): fewer branches when that budget is tight, no search when not
     # even one fits. None: unbounded.
@@ -72,6 +76,11 @@ class KnapSpecConfig:
             raise ConfigError("num_reference_tokens must be >= 2")
         if self.reoptimize_every < 1 or self.max_draft < 1:
             raise ConfigError("reoptimize_every and max_draft must be >= 1")
+        if self.max_branches is not None and self.max_branches < MIN_SEARCH_BRANCHES:
+            raise ConfigError(
+                f"max_branches must be >= {MIN_SEARCH_BRANCHES} or None, got {self.max_branches}: a DP that keeps "
+                "one cell per row keeps only the full model's and finds no draft"
+            )
         if self.max_search_share is not None and not 0 < self.max_search_share <= 1:
             raise ConfigError(f"max_search_share must be in (0, 1] or None, got {self.max_search_share}")
         if self.max_search_share_of_gain is not None and not 0 < self.max_search_share_of_gain <= 1:
@@ -100,6 +109,25 @@ class SearchHistory:
         # budget is a share of the decode time left, and a request whose drafts are accepted
         # (copied ones above all) decodes its tokens in fewer steps than it has tokens left.
         self.step_tokens: deque[int] = deque(maxlen=STEP_TOKENS_KEPT)
+        # Search seconds that decoding has not yet paid back at the searches' share of it: a
+        # search's budget is its share of the decode ahead less this debt, so searches in quick
+        # succession (new integer weights a few steps after the last) cannot together take more
+        # than their share of the decode.
+        self.search_debt = 0.0
+        self._repay_share = 0.0
+
+    def searched(self, seconds: float, share: float | None) -> None:
+        """A search took `seconds` under a budget of `share` of the decode it planned for
+        (search_budget over one second; None: unbounded, and nothing to pay back)."""
+        if share is not None and share > 0:
+            self.search_debt += seconds
+            self._repay_share = share
+
+    def decoded(self, plain_seconds: float) -> None:
+        """A decode step went by, as long as `plain_seconds` of plain decoding: it pays back its
+        share of the debt."""
+        if self.search_debt:
+            self.search_debt = max(0.0, self.search_debt - self._repay_share * plain_seconds)
 
     def search_cost_scale(self) -> float:
         """How much dearer than estimated this engine's searches have been (median; 1.0 before any)."""
@@ -159,6 +187,7 @@ class ReplanningDrafter:
         """Re-plan when due (the search runs here, for this request alone), then draft with the
         plan's sub-network, step by step."""
         context = request.cache.length
+        self.count_step(context)
         if self._adopted:
             pass  # the batch's plan
         elif self.plan is None and self.history.consecutive_ar(self._weights_at(context)):
@@ -179,6 +208,12 @@ class ReplanningDrafter:
         if self._drafter is None:
             return Draft([])
         return (yield from self._drafter.propose_steps(request))
+
+    def count_step(self, context: int) -> None:
+        """A decode step of this request at `context`: alone, it pays back its share of the
+        engine's search debt (inside a batch plan, the batch's planner counts the batch's steps)."""
+        if not self._adopted:
+            self.history.decoded(self.latency.t_verify(1, context))
 
     def adopt(self, plan: DraftPlan, model: SublayerModel, context: int, searched: bool) -> None:
         """Draft with a batch's plan from now on (`searched`: a batch search just made it)."""
@@ -286,8 +321,8 @@ def steps_planned_for(interval: int, tokens_left: int, tokens_per_step: float) -
 
 def branches_within(budget: float, most: int, seconds: Callable[[int], float]) -> int:
     """The most branches, up to `most`, whose search `seconds(branches)` fits the budget; 0 when
-    not even one does."""
-    return next((branches for branches in range(most, 0, -1) if seconds(branches) <= budget), 0)
+    not even MIN_SEARCH_BRANCHES do (fewer would search and never find a draft)."""
+    return next((b for b in range(most, MIN_SEARCH_BRANCHES - 1, -1) if seconds(b) <= budget), 0)
 
 
 def search_budget(config: KnapSpecConfig, plain_seconds: float, bound_gain: float | None) -> float | None:

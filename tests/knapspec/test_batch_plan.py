@@ -309,6 +309,35 @@ def test_a_batch_search_plans_for_the_steps_at_its_tokens_per_step(tiny_deep_lla
     assert tokens_per_step > 1.0
 
 
+def test_a_batch_search_waits_until_decoding_has_paid_for_the_last(tiny_deep_llama, monkeypatch):
+    """Searches share one budget: while the engine's search debt exceeds what a new search may
+    take, the batch decodes plainly (and exactly), each batch step paying back its share."""
+    calls = []
+    real = batch_plan.search_batch_candidates
+    monkeypatch.setattr(batch_plan, "search_batch_candidates", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _, model = load_tiny(tiny_deep_llama)
+    prompts = [repeating_prompt(n, seed) for seed, n in enumerate((30, 41))]
+    expected = [decode(model, prefill(model, p, 40), DecodeConfig(40), SamplingParams()).token_ids for p in prompts]
+
+    def decode_owing(debt: float) -> BatchPlanner:
+        planner, drafter = planned_batch(
+            model, batch_table(model.spec.num_layers), max_search_share_of_gain=1.0, reoptimize_every=40
+        )
+        planner.history.searched(debt, share=0.5)
+        requests = [
+            DecodingRequest(prefill(model, p, 40), DecodeConfig(40), SamplingParams(), drafter(), p.tolist())
+            for p in prompts
+        ]
+        for prompt, result, tokens in zip(prompts, decode_batch(model, requests), expected):
+            assert_same_or_near_tie(model, prompt, result.token_ids, tokens)
+        return planner
+
+    owing = decode_owing(1e3)
+    assert calls == [] and owing.num_postponed >= 1
+    assert 0 < 1e3 - owing.history.search_debt < 1.0  # 40 steps of a few ms, half of them paid back
+    assert decode_owing(0.0) and calls  # the same batch, owing nothing, searches
+
+
 def test_requests_join_the_batch_plan_and_plan_alone_when_left_alone(tiny_deep_llama):
     """In a continuous batch a joining request adopts the current plan without a new search;
     the last request left plans for itself; tokens stay those of `ar` alone."""

@@ -8,6 +8,7 @@ import torch
 
 from pipeline.errors import ConfigError
 from pipeline.knapspec.knapsack import Frontier, KnapsackProblem, advance, default_always_execute, run_dp
+from pipeline.knapspec.replanning import KnapSpecConfig, branches_within
 from tests.builders import brute_force, load_tiny, random_knapsack
 
 
@@ -76,6 +77,18 @@ def test_branch_cap_keeps_the_full_model_and_the_best_cells():
     frontier = run_dp(start, problem, run_item)
     assert max(calls) <= 2 and len(frontier.weights) <= 2
     assert 0 in frontier.weights
+
+
+def test_a_dp_of_one_branch_finds_no_draft_so_a_search_keeps_two():
+    """The full model's cell is kept first: one branch per row is the full model alone, a search
+    that costs a forward over its reference tokens and can never draft."""
+    start, run_item, _ = orthogonal_items([1.0, 0.2, 0.3, 0.1, 2.0, 0.5])
+    frontier = run_dp(start, KnapsackProblem(weights=(1,) * 6, budget=5, threshold=-1, max_branches=1), run_item)
+    assert [c.skip for c in frontier.candidates()] == [frozenset()]
+    assert branches_within(budget=1.0, most=4, seconds=lambda b: 0.4 * b) == 2
+    assert branches_within(budget=0.5, most=4, seconds=lambda b: 0.4 * b) == 0  # one would fit: not worth it
+    with pytest.raises(ConfigError, match="max_branches"):
+        KnapSpecConfig(max_branches=1)
 
 
 def test_skipping_a_whole_bypass_group_saves_its_hop_too():

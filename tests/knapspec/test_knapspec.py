@@ -14,7 +14,7 @@ from pipeline.decoding.sampling import SamplingParams
 from pipeline.knapspec.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter, evaluate_skip_sets
 from pipeline.knapspec.drafter import KnapSpecDrafter
 from pipeline.knapspec.hybrid import KnapSpecLookupDrafter
-from pipeline.knapspec.replanning import KnapSpecConfig, search_budget, steps_planned_for
+from pipeline.knapspec.replanning import KnapSpecConfig, SearchHistory, search_budget, steps_planned_for
 from tests.builders import SEARCH_CONFIG, load_tiny, synthetic_latency
 
 # Few reference tokens and a weak prior: tiny models give the DP little to go on. Searches
@@ -227,8 +227,9 @@ def test_search_budget_sets_the_branch_cap():
     drafter = KnapSpecDrafter(lat, bounded)
     # 64 steps: budget 3.2 forwards -> (3.2 - 1)·12/8 = 3.3 -> 3 branches.
     assert drafter.search_branches(context=100, steps_left=500) == 3
-    assert drafter.search_branches(context=100, steps_left=40) == 1  # 2.0 forwards
-    assert drafter.search_branches(context=100, steps_left=30) == 0  # 1.5: not even one branch
+    assert drafter.search_branches(context=100, steps_left=48) == 2  # 2.4 forwards
+    # 2.0 forwards: one branch would fit, but a DP of one branch keeps only the full model.
+    assert drafter.search_branches(context=100, steps_left=40) == 0
     assert KnapSpecDrafter(lat, replace(bounded, max_search_share=0.5)).search_branches(100, 500) == 4  # the cap
     unbounded = replace(bounded, max_search_share=None, max_branches=None)
     assert KnapSpecDrafter(lat, unbounded).search_branches(100, 5) is None
@@ -250,6 +251,49 @@ def test_search_budget_is_the_smaller_of_its_shares():
     assert search_budget(replace(config, max_search_share=None), 10.0, 1.25) == pytest.approx(1.0)
     assert search_budget(replace(config, max_search_share_of_gain=None), 10.0, 1.01) == pytest.approx(0.5)
     assert search_budget(SEARCH_CONFIG, 10.0, 1.01) is None
+
+
+def test_a_search_debt_is_paid_back_at_the_searches_share_of_decoding():
+    history = SearchHistory()
+    history.searched(0.3, share=0.05)
+    assert history.search_debt == pytest.approx(0.3)
+    history.decoded(2.0)  # 5% of 2 s of decoding
+    assert history.search_debt == pytest.approx(0.2)
+    history.decoded(10.0)
+    assert history.search_debt == 0.0
+    history.searched(0.3, share=None)  # an unbounded search owes nothing
+    assert history.search_debt == 0.0
+
+
+def test_searches_in_quick_succession_share_one_budget():
+    """A search that took its whole budget leaves none for one a few steps later (new integer
+    weights): at 4 x 4k two searches of 4.7% each took 9.4% of a decode. Decoding pays it back."""
+    lat = synthetic_latency(8, verify_growth=0.0)
+    bounded = replace(SEARCH_CONFIG, max_search_share=0.05, reoptimize_every=64, max_branches=4)
+    drafter = KnapSpecDrafter(lat, bounded)
+    step = lat.t_verify(1, 100)
+    assert drafter.search_branches(context=100, steps_left=500) == 3  # 3.2 forwards
+    drafter.history.searched(3.0 * step, share=0.05)
+    assert drafter.search_branches(context=100, steps_left=500) == 0
+    for _ in range(20):  # 20 steps pay back one forward's worth
+        drafter.count_step(100)
+    assert drafter.search_branches(context=100, steps_left=500) == 0  # 3.2 - 2.0 forwards: too few
+    for _ in range(40):
+        drafter.count_step(100)
+    assert drafter.search_branches(context=100, steps_left=500) == 3
+
+
+def test_a_request_search_runs_up_a_debt_that_its_decode_pays_back(tiny_deep_llama):
+    _, model = load_tiny(tiny_deep_llama)
+    lat = synthetic_latency(model.spec.num_layers, verify_growth=0.0)
+    drafter = KnapSpecDrafter(lat, replace(SEARCH_CONFIG, max_search_share=0.05, reoptimize_every=1000))
+    history = drafter.history
+    spent = []
+    real = history.searched
+    history.searched = lambda seconds, share: spent.append((seconds, share)) or real(seconds, share)
+    run(model, prompt_ids(0), drafter, max_new=60)
+    assert len(spent) == 1 and spent[0][1] == pytest.approx(0.05)
+    assert history.search_debt < spent[0][0]  # the steps after it paid some of it back
 
 
 def test_a_search_plans_for_the_steps_its_decode_will_take():
@@ -285,7 +329,8 @@ def test_a_request_whose_search_cannot_pay_decodes_plainly_and_exactly(tiny_deep
     result = run(model, prompt, stingy, max_new=30)
     assert calls == [] and result.extra["num_searches_postponed"] >= 1 and not stingy.plans
     assert result.token_ids == expected
-    generous = KnapSpecDrafter(lat, replace(SEARCH_CONFIG, max_search_share_of_gain=1.0))
+    # (Searching every 30 steps: a budget of 6 steps' share fits one branch, and one never drafts.)
+    generous = KnapSpecDrafter(lat, replace(SEARCH_CONFIG, max_search_share_of_gain=1.0, reoptimize_every=30))
     assert run(model, prompt, generous, max_new=30).token_ids == expected
     assert calls and generous.plans  # the same request with room for a search searches
 
@@ -297,10 +342,10 @@ def test_search_budget_counts_the_steps_left_not_the_tokens():
     bounded = replace(SEARCH_CONFIG, max_search_share=0.05, reoptimize_every=64, max_branches=4)
     drafter = KnapSpecDrafter(lat, bounded)
     assert drafter.search_branches(context=100, steps_left=80) == 3
-    for accepted in (0, 2, 1, 1):  # each step: accepted drafted tokens, plus the model's own
+    for accepted in (0, 1, 0, 1):  # each step: accepted drafted tokens, plus the model's own
         drafter.observe(num_drafted=2, num_accepted=accepted)
-    assert drafter.history.tokens_per_step() == 2.0
-    assert drafter.search_branches(context=100, steps_left=80) == 1
+    assert drafter.history.tokens_per_step() == 1.5
+    assert drafter.search_branches(context=100, steps_left=80) == 2  # 53 steps: 2.7 forwards
 
 
 def test_short_requests_postpone_the_search_and_stay_exact(tiny_deep_llama, monkeypatch):
