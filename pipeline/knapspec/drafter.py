@@ -74,8 +74,9 @@ class KnapSpecDrafter(ReplanningDrafter):
     def search_branches(self, context: int, steps_left: int, bound_gain: float | None = None) -> int | None:
         """The branch cap that keeps a search within its budget (replanning.search_budget) over
         the decode time it plans for, less the engine's search debt: the configured cap when that
-        fits, fewer when not, 0 when not even MIN_SEARCH_BRANCHES do. `steps_left`: the request's tokens left, decoded at the engine's
-        recent tokens per step; `bound_gain`: the optimistic bound's tokens/s over AR's."""
+        fits, fewer when not, 0 when not even MIN_SEARCH_BRANCHES do. `steps_left`: the
+        request's tokens left, decoded at the engine's recent tokens per step; `bound_gain`: the
+        optimistic bound's tokens/s over AR's."""
         cap = self.config.max_branches
         steps = steps_planned_for(self._interval(), steps_left, self.history.tokens_per_step())
         budget = search_budget(self.config, steps * self.latency.t_verify(1, context), bound_gain)

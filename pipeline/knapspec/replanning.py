@@ -59,8 +59,9 @@ class KnapSpecConfig:
     margin: float = DEFAULT_MARGIN  # how much speculation must beat AR by
     max_branches: int | None = 4  # DP cells kept per row (at least MIN_SEARCH_BRANCHES)
     # The DP's share of the decode time it plans for (the steps until the next search, or to
-    # the end of the request): fewer branches when that budget is tight, no search when not
-    # even one fits. None: unbounded.
+    # the end of the request), less what earlier searches took and decoding has not yet paid
+    # back (SearchHistory.search_debt): fewer branches when that budget is tight, no search
+    # when not even two fit. None: unbounded.
     max_search_share: float | None = 0.05
     # And at most this share of the most a perfect draft could save in that time (the optimistic
     # bound's gain over AR): where even a perfect draft would gain little, as at batch 1 on a CPU
