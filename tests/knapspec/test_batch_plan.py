@@ -257,33 +257,39 @@ def test_batch_plans_that_skip_keep_every_requests_tokens(tiny_deep_llama, hybri
     assert layer_drafted > 0
 
 
+def counting_batch_searches(monkeypatch) -> list[int]:
+    calls = []
+    real = batch_plan.search_batch_candidates
+    monkeypatch.setattr(batch_plan, "search_batch_candidates", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def decode_two_planned(model, owing: float = 0.0, **overrides) -> BatchPlanner:
+    """Two requests of 40 tokens under a fresh batch planner that owes `owing` search seconds,
+    each against its own `ar` alone."""
+    prompts = [repeating_prompt(n, seed) for seed, n in enumerate((30, 41))]
+    planner, drafter = planned_batch(model, batch_table(model.spec.num_layers), reoptimize_every=40, **overrides)
+    planner.history.searched(owing, share=0.5)
+    requests = [
+        DecodingRequest(prefill(model, p, 40), DecodeConfig(40), SamplingParams(), drafter(), p.tolist())
+        for p in prompts
+    ]
+    for prompt, result in zip(prompts, decode_batch(model, requests)):
+        expected = decode(model, prefill(model, prompt, 40), DecodeConfig(40), SamplingParams()).token_ids
+        assert_same_or_near_tie(model, prompt, result.token_ids, expected)
+    return planner
+
+
 def test_a_batch_search_that_cannot_pay_for_itself_is_postponed(tiny_deep_llama, monkeypatch):
     """Where the search would cost more than its share of what a perfect draft could save, the
     batch decodes plainly until the next check: no DP runs and every request keeps its tokens.
     The same batch with room for its search searches."""
-    calls = []
-    real = batch_plan.search_batch_candidates
-    monkeypatch.setattr(batch_plan, "search_batch_candidates", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = counting_batch_searches(monkeypatch)
     _, model = load_tiny(tiny_deep_llama)
-    prompts = [repeating_prompt(n, seed) for seed, n in enumerate((30, 41))]
-    expected = [decode(model, prefill(model, p, 40), DecodeConfig(40), SamplingParams()).token_ids for p in prompts]
-
-    def decode_with(share_of_gain: float) -> BatchPlanner:
-        planner, drafter = planned_batch(
-            model, batch_table(model.spec.num_layers), max_search_share_of_gain=share_of_gain, reoptimize_every=40
-        )
-        requests = [
-            DecodingRequest(prefill(model, p, 40), DecodeConfig(40), SamplingParams(), drafter(), p.tolist())
-            for p in prompts
-        ]
-        for prompt, result, tokens in zip(prompts, decode_batch(model, requests), expected):
-            assert_same_or_near_tie(model, prompt, result.token_ids, tokens)
-        return planner
-
-    stingy = decode_with(1e-4)
+    stingy = decode_two_planned(model, max_search_share_of_gain=1e-4)
     assert calls == [] and stingy.num_postponed >= 1
     assert not any(s["searched"] for s in stingy.searches)
-    generous = decode_with(1.0)
+    generous = decode_two_planned(model, max_search_share_of_gain=1.0)
     assert calls and any(s["searched"] for s in generous.searches)
 
 
@@ -312,30 +318,13 @@ def test_a_batch_search_plans_for_the_steps_at_its_tokens_per_step(tiny_deep_lla
 def test_a_batch_search_waits_until_decoding_has_paid_for_the_last(tiny_deep_llama, monkeypatch):
     """Searches share one budget: while the engine's search debt exceeds what a new search may
     take, the batch decodes plainly (and exactly), each batch step paying back its share."""
-    calls = []
-    real = batch_plan.search_batch_candidates
-    monkeypatch.setattr(batch_plan, "search_batch_candidates", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = counting_batch_searches(monkeypatch)
     _, model = load_tiny(tiny_deep_llama)
-    prompts = [repeating_prompt(n, seed) for seed, n in enumerate((30, 41))]
-    expected = [decode(model, prefill(model, p, 40), DecodeConfig(40), SamplingParams()).token_ids for p in prompts]
-
-    def decode_owing(debt: float) -> BatchPlanner:
-        planner, drafter = planned_batch(
-            model, batch_table(model.spec.num_layers), max_search_share_of_gain=1.0, reoptimize_every=40
-        )
-        planner.history.searched(debt, share=0.5)
-        requests = [
-            DecodingRequest(prefill(model, p, 40), DecodeConfig(40), SamplingParams(), drafter(), p.tolist())
-            for p in prompts
-        ]
-        for prompt, result, tokens in zip(prompts, decode_batch(model, requests), expected):
-            assert_same_or_near_tie(model, prompt, result.token_ids, tokens)
-        return planner
-
-    owing = decode_owing(1e3)
+    owing = decode_two_planned(model, owing=1e3, max_search_share_of_gain=1.0)
     assert calls == [] and owing.num_postponed >= 1
     assert 0 < 1e3 - owing.history.search_debt < 1.0  # 40 steps of a few ms, half of them paid back
-    assert decode_owing(0.0) and calls  # the same batch, owing nothing, searches
+    decode_two_planned(model, owing=0.0, max_search_share_of_gain=1.0)
+    assert calls  # the same batch, owing nothing, searches
 
 
 def test_requests_join_the_batch_plan_and_plan_alone_when_left_alone(tiny_deep_llama):
