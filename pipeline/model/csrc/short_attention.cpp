@@ -108,9 +108,11 @@ inline __m256 tile_sums(const __m256* a0, const __m256* a1) {
 // Scores of rows [m0, m0 + rows) against keys [0, num_keys) of a chunk, four rows at a time
 // (by four keys with AVX-512, by two with AVX2); q holds whole tiles of rows (zero-padded).
 // Keys past the last are the last again: a key's score never depends on its neighbours.
+// `ahead` (or null): the next chunk's keys, fetched into cache while this one is scored, so a
+// one-row decode at long context streams memory instead of waiting on each chunk's first miss.
 template <int64_t D>
 void tile_scores(const float* q, const float* keys, int64_t key_stride, int64_t m0, int64_t rows,
-                 int64_t num_keys, float* scores) {
+                 int64_t num_keys, float* scores, const float* ahead) {
 #ifdef __AVX512F__
   static_assert(D % 16 == 0, "head_dim in steps of 16");
   constexpr int64_t kKeys = 4;
@@ -134,8 +136,11 @@ void tile_scores(const float* q, const float* keys, int64_t key_stride, int64_t 
       for (int64_t t = 0; t < kKeys; ++t) scores[(m0 + i) * kChunk + j + t] = sums[kRowTile * t + i];
   }
 #else
-  alignas(32) float sums[8];
   for (int64_t j = 0; j < num_keys; j += 2) {
+    if (ahead) {
+      for (int64_t t = 0; t < 2; ++t)
+        for (int64_t l = 0; l < D; l += 16) _mm_prefetch(reinterpret_cast<const char*>(ahead + (j + t) * key_stride + l), _MM_HINT_T0);
+    }
     const float* k0 = keys + j * key_stride;
     const float* k1 = j + 1 < num_keys ? k0 + key_stride : k0;
     __m256 a0[kRowTile], a1[kRowTile];
@@ -148,11 +153,13 @@ void tile_scores(const float* q, const float* keys, int64_t key_stride, int64_t 
         a1[i] = _mm256_fmadd_ps(qi, x1, a1[i]);
       }
     }
-    _mm256_store_ps(sums, tile_sums(a0, a1));
-    for (int64_t i = 0; i < rows; ++i) {
-      scores[(m0 + i) * kChunk + j] = sums[2 * i];
-      scores[(m0 + i) * kChunk + j + 1] = sums[2 * i + 1];  // the row's padding when j + 1 = num_keys
-    }
+    const __m256 pairs = tile_sums(a0, a1);
+    const __m128 low = _mm256_castps256_ps128(pairs), high = _mm256_extractf128_ps(pairs, 1);
+    float* row = scores + m0 * kChunk + j;  // k1's score is the row's padding when j + 1 = num_keys
+    _mm_storel_pi(reinterpret_cast<__m64*>(row), low);
+    _mm_storeh_pi(reinterpret_cast<__m64*>(row + kChunk), low);
+    _mm_storel_pi(reinterpret_cast<__m64*>(row + 2 * kChunk), high);
+    _mm_storeh_pi(reinterpret_cast<__m64*>(row + 3 * kChunk), high);
   }
 #endif
 }
@@ -216,10 +223,12 @@ inline void row_softmax(float* s, int64_t n, int64_t reach, float* max_out, floa
 // The unnormalized weighted sums of values for rows [m0, m0 + rows) over keys [0, reach):
 // four rows share each load of a value, 16 of its floats at a time (64 with AVX-512). A key
 // past a row's own has weight 0, and fma(0, v, acc) is acc: a row's sums do not depend on
-// its tile.
+// its tile. Every row of the tile is stored (`out` has whole tiles): a store loop bounded by
+// `rows` made GCC keep the sums in memory, a load and a store per FMA. `ahead`: the next
+// chunk's values, fetched during the first pass.
 template <int64_t D>
 void tile_values(const float* scores, int64_t m0, int64_t rows, int64_t reach, const float* values,
-                 int64_t value_stride, float* out) {
+                 int64_t value_stride, float* out, const float* ahead) {
   const float* p[kRowTile];
   for (int64_t i = 0; i < kRowTile; ++i) p[i] = scores + (m0 + std::min(i, rows - 1)) * kChunk;
 #ifdef __AVX512F__
@@ -246,6 +255,8 @@ void tile_values(const float* scores, int64_t m0, int64_t rows, int64_t reach, c
     __m256 acc[kRowTile][2];
     for (int64_t i = 0; i < kRowTile; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t j = 0; j < reach; ++j) {
+      if (ahead && b == 0)
+        for (int64_t l = 0; l < D; l += 16) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * value_stride + l), _MM_HINT_T0);
       const float* v = values + j * value_stride + b;
       const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
       for (int64_t i = 0; i < kRowTile; ++i) {
@@ -254,7 +265,7 @@ void tile_values(const float* scores, int64_t m0, int64_t rows, int64_t reach, c
         acc[i][1] = _mm256_fmadd_ps(w, v1, acc[i][1]);
       }
     }
-    for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t i = 0; i < kRowTile; ++i) {
       _mm256_storeu_ps(out + (m0 + i) * D + b, acc[i][0]);
       _mm256_storeu_ps(out + (m0 + i) * D + b + 8, acc[i][1]);
     }
@@ -270,7 +281,8 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
   const int64_t num_chunks = std::max<int64_t>((max_keys + kChunk - 1) / kChunk, 1);
   const int64_t groups = num_rows / block;
   auto options = q.options();
-  auto partial = torch::empty({num_slots * num_heads, num_chunks, num_rows, D}, options);
+  const int64_t tiled_rows = (num_rows + kRowTile - 1) / kRowTile * kRowTile;
+  auto partial = torch::empty({num_slots * num_heads, num_chunks, tiled_rows, D}, options);
   auto stats = torch::empty({num_slots * num_heads, num_chunks, num_rows, 2}, options);
   const float* qp = q.data_ptr<float>();
   const float* kp = keys.data_ptr<float>();
@@ -282,9 +294,8 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
   const int64_t v_head = values.stride(0), v_key = values.stride(1);
 
   at::parallel_for(0, num_slots * num_heads * num_chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(num_rows * kChunk + 8);  // + 8: an odd key's pair
+    std::vector<float> scores(tiled_rows * kChunk + 8);  // + 8: an odd key's pair
     std::vector<int64_t> counts(num_rows);
-    const int64_t tiled_rows = (num_rows + kRowTile - 1) / kRowTile * kRowTile;
     std::vector<float> qtile(tiled_rows * D, 0.0f);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t head = task / num_chunks, chunk = task % num_chunks, slot = head / num_heads;
@@ -294,7 +305,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
       const float* vh = vp + head * v_head + first * v_key;
       for (int64_t m = 0; m < num_rows; ++m)
         counts[m] = std::clamp<int64_t>(lp[slot * block + m / groups] - first, 0, kChunk);
-      float* out = pp + (head * num_chunks + chunk) * num_rows * D;
+      float* out = pp + (head * num_chunks + chunk) * tiled_rows * D;
       float* st = sp + (head * num_chunks + chunk) * num_rows * 2;
       for (int64_t m0 = 0; m0 < num_rows; m0 += kRowTile) {
         const int64_t rows = std::min(kRowTile, num_rows - m0);
@@ -304,7 +315,8 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
           for (int64_t m = m0; m < m0 + rows; ++m) st[2 * m] = -std::numeric_limits<float>::infinity(), st[2 * m + 1] = 0.0f;
           continue;
         }
-        tile_scores<D>(qtile.data(), kh, k_key, m0, rows, reach, scores.data());
+        const bool more = m0 == 0 && first + kChunk < max_keys;
+        tile_scores<D>(qtile.data(), kh, k_key, m0, rows, reach, scores.data(), more ? kh + kChunk * k_key : nullptr);
         for (int64_t m = m0; m < m0 + rows; ++m) {
           if (counts[m] == 0) {
             std::fill(scores.data() + m * kChunk, scores.data() + m * kChunk + reach, 0.0f);
@@ -313,7 +325,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
             row_softmax(scores.data() + m * kChunk, counts[m], reach, st + 2 * m, st + 2 * m + 1);
           }
         }
-        tile_values<D>(scores.data(), m0, rows, reach, vh, v_key, out);
+        tile_values<D>(scores.data(), m0, rows, reach, vh, v_key, out, more ? vh + kChunk * v_key : nullptr);
       }
     }
   });
@@ -335,7 +347,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
         if (st[1] == 0.0f) continue;
         const float w = std::exp(st[0] - most);
         total += w * st[1];
-        const float* part = pp + ((head * num_chunks + c) * num_rows + m) * D;
+        const float* part = pp + ((head * num_chunks + c) * tiled_rows + m) * D;
         for (int64_t d = 0; d < D; ++d) out[d] += w * part[d];
       }
       for (int64_t d = 0; d < D; ++d) out[d] /= total;
