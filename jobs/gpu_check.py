@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--contexts", default="4096,16384", help="tokens of context per request, comma-separated")
     parser.add_argument("--verify-rows", default="2,3,4,5,8", help="rows per request of the verify steps timed")
-    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument(
         "--acceptance", type=Path, default=DEFAULT_ACCEPTANCE, help="α per share of skipped items (jobs/acceptance.py)"
     )

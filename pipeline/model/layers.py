@@ -12,6 +12,8 @@ and the cache plus each branch's own tokens (the DP).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +22,29 @@ from pipeline.model.short_attention import short_attention
 # Longer query blocks (prefill chunks) go through PyTorch's fused attention; short
 # ones (decode, verify) through the grouped product that never repeats K/V heads.
 FUSED_ATTENTION_MIN_TOKENS = 16
+
+# On CUDA a short block's attention reads its keys in multiples of this many (the extra ones
+# masked): the scores' rows are the leading dimension of both half-precision GEMMs, and cuBLAS
+# takes a much slower kernel when a row is not a multiple of 16 bytes — with one key more every
+# decode step, every other step would (jobs/gpu_check-h200.md). The CPU reads exactly its keys.
+CUDA_KEY_ALIGN = 8
+
+
+def key_align(device: torch.device) -> int:
+    return CUDA_KEY_ALIGN if device.type == "cuda" else 1
+
+
+def aligned_keys(num_keys: int, capacity: int, device: torch.device) -> int:
+    """How many keys a short block that sees `num_keys` reads: rounded up to `key_align`, within `capacity`."""
+    align = key_align(device)
+    return min(-(-num_keys // align) * align, capacity)
+
+
+@functools.lru_cache(maxsize=8)  # every layer of a forward asks for the same one: built once, not once a layer
+def hidden_keys(num_tokens: int, start: int, width: int, device: torch.device) -> torch.Tensor:
+    """[T, width], True where a query at [start, start + T) must not look: keys past its own
+    position. Cached: callers only read it."""
+    return torch.arange(width, device=device) > (start + torch.arange(num_tokens, device=device))[:, None]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -110,6 +135,7 @@ def grouped_attention(
     own_keys: torch.Tensor | None = None,
     own_values: torch.Tensor | None = None,
     later: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of T query rows per branch, causal within the block.
 
@@ -118,7 +144,9 @@ def grouped_attention(
     (decode and verify: the block was written into the cache first); with them
     ([kv_heads, B, T, head_dim]) each branch attends to the shared keys and causally to its
     own (the DP: the cache is only read). `later` (later_in_block) hides each query's later
-    tokens of its block; the caller builds it once per forward. Returns [kv_heads, B, groups, T, head_dim].
+    tokens of its block; the caller builds it once per forward. `hidden` ([T, n], hidden_keys)
+    instead masks the whole width, for keys read past the block (aligned_keys). Returns
+    [kv_heads, B, groups, T, head_dim].
     """
     num_kv_heads, num_branches, groups, num_tokens, head_dim = qg.shape
     rows = qg.reshape(num_kv_heads, num_branches * groups * num_tokens, head_dim)
@@ -129,6 +157,8 @@ def grouped_attention(
         scores = torch.cat([scores, own_scores], dim=-1)
     if later is not None:
         scores[..., -num_tokens:].masked_fill_(later, float("-inf"))
+    if hidden is not None:
+        scores.masked_fill_(hidden, float("-inf"))
     probs = softmax(scores, values.dtype)
     if own_values is None:
         out = torch.bmm(probs.view(num_kv_heads, -1, num_shared), values)

@@ -14,6 +14,7 @@ import torch
 from pipeline.errors import ConfigError
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.kv_pool import KVPool, PooledCache
+from pipeline.model.layers import aligned_keys
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ def pooled_rows(spans: Sequence[tuple[KVCache, int, int]], max_rows: int) -> tup
     layout_runs = []
     for first, end, keys in runs:
         seen = (limits[base[first] : base[first] + end - first] + 1).to(torch.int32)
-        layout_runs.append(SlotRun(first, end, keys, seen))
+        layout_runs.append(SlotRun(first, end, aligned_keys(keys, pool.slot_capacity, device), seen))
 
     def index(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)

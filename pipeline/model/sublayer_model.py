@@ -23,11 +23,13 @@ from pipeline.model.kv_cache import KVCache
 from pipeline.model.kv_pool import KVPool
 from pipeline.model.layers import (
     FUSED_ATTENTION_MIN_TOKENS,
+    aligned_keys,
     apply_rotary,
     block_mask,
     fused_attention,
     group_queries,
     grouped_attention,
+    hidden_keys,
     kernel_attention,
     later_in_block,
     pooled_attention,
@@ -417,4 +419,8 @@ class SublayerModel:
         if self._kernel:
             return kernel_attention(q * self._scale, keys, values, start, self.spec.num_kv_heads)
         qg = group_queries(q[None] * self._scale, self.spec.num_kv_heads)
+        width = aligned_keys(start + num_tokens, cache.capacity, q.device)
+        if width > start + num_tokens:
+            keys, values = cache.view(index, width)
+            return ungroup(grouped_attention(qg, keys, values, hidden=hidden_keys(num_tokens, start, width, q.device)))
         return ungroup(grouped_attention(qg, keys, values, later=mask))

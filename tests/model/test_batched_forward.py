@@ -90,6 +90,32 @@ def test_requests_in_one_kv_pool_attend_together(tiny_checkpoint, mode):
         torch.testing.assert_close(t.values[:, :, :end], a.values[:, :, :end], **tolerance)
 
 
+def test_keys_read_in_aligned_widths_are_masked(tiny_checkpoint, monkeypatch):
+    """As on CUDA (layers.CUDA_KEY_ALIGN): short blocks read their keys rounded up to a multiple
+    of 8, alone and pooled; the keys past each query's position (stale ones here: large junk)
+    are masked, so the logits are those of exactly the keys it sees."""
+    import pipeline.model.layers as layers
+
+    _, model = load_tiny(tiny_checkpoint)
+    prompts = [ids(10, 37), ids(11, 90), ids(12, 45)]
+    rows = [ids(20, 1), ids(21, 4), ids(22, 3)]
+    alone = [prefilled(model, p) for p in prompts]
+    expected = [model.forward(c, r, c.length, logits="all").logits for c, r in zip(alone, rows)]
+    pool = model.new_pool(3, 128)
+    together = [pool.adopt(prefilled(model, p)) for p in prompts]
+    single = prefilled(model, prompts[1])
+    for cache in [*together, single]:
+        end = cache.length + 4
+        cache.keys[:, :, end:] = 1e4  # junk past what any query sees
+        cache.values[:, :, end:] = -1e4
+    monkeypatch.setattr(layers, "key_align", lambda device: 8)
+    assert layers.aligned_keys(94, 128, torch.device("cpu")) == 96
+    got = model.forward_batch([RequestRows(c, r, c.length) for c, r in zip(together, rows)])
+    got_single = model.forward(single, rows[1], single.length, logits="all").logits
+    for g, e in zip([*got, got_single], [*expected, expected[1]]):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
 def test_idle_slots_far_apart_split_the_pooled_attention(tiny_llama):
     """Requests in slots 0, 1, 5 and 7 of a pool: the three idle slots between 1 and 5 would read
     ~300 keys each, so the attention is two calls, slots 0-1 and 5-7 (the one idle slot 6 kept:
