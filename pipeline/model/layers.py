@@ -168,6 +168,19 @@ def grouped_attention(
     return out + torch.matmul(probs[..., num_shared:], own_values[:, :, None])
 
 
+def matmul_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, later: torch.Tensor | None, num_kv_heads: int
+) -> torch.Tensor:
+    """grouped_attention's decode and verify case: q [T, H, head_dim], already scaled, at
+    [start, start + T) over keys/values [kv_heads, n, head_dim] (the block's own written first);
+    keys past start + T (read to align, aligned_keys) are masked -> [T, H * head_dim]."""
+    num_tokens, width = q.shape[0], keys.shape[1]
+    qg = group_queries(q[None], num_kv_heads)
+    if width > start + num_tokens:
+        return ungroup(grouped_attention(qg, keys, values, hidden=hidden_keys(num_tokens, start, width, q.device)))
+    return ungroup(grouped_attention(qg, keys, values, later=later))
+
+
 def softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Softmax over the last dimension in fp32, returned in `dtype` (as Hugging Face's eager attention)."""
     if scores.dtype == torch.float32 and dtype == torch.float32:

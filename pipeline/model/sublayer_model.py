@@ -29,9 +29,9 @@ from pipeline.model.layers import (
     fused_attention,
     group_queries,
     grouped_attention,
-    hidden_keys,
     kernel_attention,
     later_in_block,
+    matmul_attention,
     pooled_attention,
     rms_norm,
     signed_sin,
@@ -400,27 +400,15 @@ class SublayerModel:
         return self._reduced(layer.o(self._attend(index, q[0], k[0], v[0], cache, start, mask)))
 
     def _attend(
-        self,
-        index: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cache: KVCache,
-        start: int,
-        mask: torch.Tensor | None,
+        self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, start: int, mask
     ) -> torch.Tensor:
         """One request's queries, keys and values [T, heads, head_dim] at [start, start + T): the
         keys and values into its cache, then attention over it -> [T, H * head_dim]."""
-        num_tokens = q.shape[0]
+        num_tokens, end = q.shape[0], start + q.shape[0]
         cache.write(index, start, k.transpose(0, 1), v.transpose(0, 1))
-        keys, values = cache.view(index, start + num_tokens)  # [kv_heads, n, head_dim]
         if num_tokens >= FUSED_ATTENTION_MIN_TOKENS:
-            return fused_attention(q, keys, values, start, mask, self._scale)
+            return fused_attention(q, *cache.view(index, end), start, mask, self._scale)
         if self._kernel:
-            return kernel_attention(q * self._scale, keys, values, start, self.spec.num_kv_heads)
-        qg = group_queries(q[None] * self._scale, self.spec.num_kv_heads)
-        width = aligned_keys(start + num_tokens, cache.capacity, q.device)
-        if width > start + num_tokens:
-            keys, values = cache.view(index, width)
-            return ungroup(grouped_attention(qg, keys, values, hidden=hidden_keys(num_tokens, start, width, q.device)))
-        return ungroup(grouped_attention(qg, keys, values, later=mask))
+            return kernel_attention(q * self._scale, *cache.view(index, end), start, self.spec.num_kv_heads)
+        keys, values = cache.view(index, aligned_keys(end, cache.capacity, q.device))  # [kv_heads, n, head_dim]
+        return matmul_attention(q * self._scale, keys, values, start, mask, self.spec.num_kv_heads)
