@@ -248,18 +248,23 @@ def test_greedy_output_is_the_same_for_every_strategy(repetition):
 @pytest.mark.slow
 def test_several_ids_decoded_together_equal_each_alone():
     """The issue's command: --ids A,B,C,D --max-batch 4 --json prints one JSON object per id,
-    each with the tokens of that id run alone (a differing token only at a near-tie)."""
+    each with the tokens of that id run alone (a differing token only at a near-tie). Alone:
+    --max-batch 1 with `ar` (a batch of one is the single forward bit for bit,
+    tests/model/test_batched_forward.py), and one id by --id, the single-request path."""
     ids = [doc["id"] for doc in sample_documents()[:4]]
     common = ["--input", str(SAMPLE), "--max-context", "700", "--max-new-tokens", "16", "--json", "--quiet"]
     proc = run_cli(*common, "--ids", ",".join(ids), "--max-batch", "4", "--strategy", "lookup")
     assert proc.returncode == 0, proc.stderr
     batched = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [record["id"] for record in batched] == ids
+    one_by_one = run_cli(*common, "--ids", ",".join(ids), "--max-batch", "1", "--strategy", "ar")
+    single = run_cli(*common, "--id", ids[0], "--strategy", "ar")
+    assert one_by_one.returncode == 0 and single.returncode == 0, one_by_one.stderr + single.stderr
+    alone = [json.loads(line) for line in one_by_one.stdout.splitlines()]
+    assert [record["id"] for record in alone] == ids
+    assert alone[0]["token_ids"] == json.loads(single.stdout)["token_ids"]
     engine = None
-    for record in batched:
-        alone = run_cli(*common, "--id", record["id"], "--strategy", "ar")
-        assert alone.returncode == 0, alone.stderr
-        expected = json.loads(alone.stdout)
+    for record, expected in zip(batched, alone):
         assert record["prompt_tokens"] == expected["prompt_tokens"]
         if record["token_ids"] != expected["token_ids"]:
             from pipeline.engine import Engine, EngineConfig

@@ -64,14 +64,25 @@ def bad_rows_parquet(tmp_path_factory) -> tuple[Path, list[dict]]:
     return path, rows
 
 
-def test_one_output_row_per_input_row(bad_rows_parquet, tiny_chat_checkpoint, tmp_path):
-    path, rows = bad_rows_parquet
-    result = run_job("--input", path, "--output", tmp_path, "--model", tiny_chat_checkpoint,
-                     "--max-new-tokens", "16", "--max-chunk-tokens", "512", "--replicas", "2",
-                     "--threads-per-replica", "1")
+# What both runs over the bad rows share; fp32, so that batches and pipeline stages give the same tokens.
+BAD_ROWS_ARGS = ["--max-new-tokens", "16", "--max-chunk-tokens", "512", "--strategy", "ar", "--dtype", "fp32",
+                 "--threads-per-replica", "1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_replicas_run(bad_rows_parquet, tiny_chat_checkpoint, tmp_path_factory):
+    """The bad rows through two single-process replicas, each decoding its requests in batches of four."""
+    out = tmp_path_factory.mktemp("two-replicas")
+    result = run_job("--input", bad_rows_parquet[0], "--output", out, "--model", tiny_chat_checkpoint,
+                     *BAD_ROWS_ARGS, "--replicas", "2", "--max-batch", "4")  # fmt: skip
+    return result, out
+
+
+def test_one_output_row_per_input_row(bad_rows_parquet, two_replicas_run):
+    (_, rows), (result, folder) = bad_rows_parquet, two_replicas_run
     assert result.returncode == 0, result.stderr[-3000:]
 
-    table = read_output(tmp_path / OUTPUT_NAME)
+    table = read_output(folder / OUTPUT_NAME)
     assert table.schema == OUTPUT_SCHEMA and table.num_rows == len(rows)
     out = sorted(table.to_pylist(), key=lambda r: (str(r["id"]), r["error"] or ""))
     by_id = {}
@@ -211,23 +222,23 @@ def test_an_earlier_output_is_not_overwritten_silently(tmp_path):
     assert result.returncode == 2 and "--resume" in result.stderr and "--overwrite" in result.stderr
 
 
-def test_pipeline_parallel_replicas_write_the_same_summaries(bad_rows_parquet, tiny_chat_checkpoint, tmp_path):
+def test_pipeline_parallel_replicas_write_the_same_summaries(
+    bad_rows_parquet, tiny_chat_checkpoint, two_replicas_run, tmp_path
+):
     """Two replicas of two pipeline stages each (stage actors holding half the layers), one
-    request at a time per stage, give the summaries of one single-process replica decoding its
+    request at a time per stage, give the summaries of single-process replicas decoding their
     requests in batches of four, token for token."""
-    path, rows = bad_rows_parquet
-    common = ["--input", path, "--model", tiny_chat_checkpoint, "--max-new-tokens", "16", "--max-chunk-tokens",
-              "512", "--strategy", "ar", "--dtype", "fp32", "--threads-per-replica", "1"]
-    single = run_job(*common, "--output", tmp_path / "p1", "--max-batch", "4")
-    piped = run_job(*common, "--output", tmp_path / "p2", "--pipeline-parallel", "2", "--replicas", "2")
+    single, single_out = two_replicas_run
+    piped = run_job("--input", bad_rows_parquet[0], "--output", tmp_path / "piped", "--model", tiny_chat_checkpoint,
+                    *BAD_ROWS_ARGS, "--pipeline-parallel", "2", "--replicas", "2")  # fmt: skip
     assert single.returncode == 0 and piped.returncode == 0, piped.stderr[-3000:]
 
     def summaries(folder):
         table = read_output(folder / OUTPUT_NAME)
         return sorted(zip(map(str, table.column("id").to_pylist()), map(str, table.column("summary").to_pylist())))
 
-    assert summaries(tmp_path / "p2") == summaries(tmp_path / "p1")
-    assert sum(1 for _, s in summaries(tmp_path / "p2") if s != "None") == 3
+    assert summaries(tmp_path / "piped") == summaries(single_out)
+    assert sum(1 for _, s in summaries(single_out) if s != "None") == 3
 
 
 @pytest.mark.slow

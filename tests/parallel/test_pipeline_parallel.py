@@ -226,6 +226,7 @@ class TestRayStages:
 
         model = make_tiny_chat_checkpoint(tmp_path / "model", num_hidden_layers=6)
         config = EngineConfig(model=str(model), dtype="fp32")
+        new_tokens = 80  # a few seconds of batches through three stages: the kill lands mid-run
         coordinator = (
             ray.remote(PipelineReplica)
             .options(num_cpus=0, max_concurrency=8)
@@ -235,10 +236,12 @@ class TestRayStages:
             torch.randint(300, 40000, (150 + 10 * i,), generator=torch.Generator().manual_seed(i)).tolist()
             for i in range(6)
         ]
-        expected = [ray.get(coordinator.generate.remote(ids, 200, SamplingParams()))["token_ids"] for ids in prompts]
-        assert all(len(tokens) == 200 for tokens in expected)
+        expected = [
+            ray.get(coordinator.generate.remote(ids, new_tokens, SamplingParams()))["token_ids"] for ids in prompts
+        ]
+        assert all(len(tokens) == new_tokens for tokens in expected)
         middle = ray.get(coordinator.stage_handles.remote())[1]
-        running = [coordinator.generate.remote(ids, 200, SamplingParams()) for ids in prompts]
+        running = [coordinator.generate.remote(ids, new_tokens, SamplingParams()) for ids in prompts]
         time.sleep(0.5)
         ray.kill(middle, no_restart=False)
         assert [out["token_ids"] for out in ray.get(running)] == expected
