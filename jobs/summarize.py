@@ -19,6 +19,8 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 from pipeline.cli import (
@@ -190,6 +192,17 @@ def _expected_rows(id_counts, num_rows: int, args: argparse.Namespace, done_ids)
     return rows if args.limit is None else min(rows, args.limit)
 
 
+def _check_ids(census: tuple[Counter, int], args: argparse.Namespace) -> tuple[Counter, int]:
+    """The census, once every id of --ids is in it."""
+    from pipeline.errors import ConfigError
+
+    missing = sorted(args.ids - census[0].keys())
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ConfigError(f"--ids not in {args.input}: {shown}")
+    return census
+
+
 def _starts_local_cluster(address: str | None) -> bool:
     return address is None and not os.environ.get("RAY_ADDRESS")
 
@@ -211,11 +224,10 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from actors.summarizer import DATA_TASK_CPUS, SummarizerConfig, build_summarizer
-    from pipeline.errors import ConfigError
     from pipeline.model import checkpoint
     from pipeline.summarization.datasource import read_documents
     from pipeline.summarization.rows import find_duplicate_ids, id_census
-    from pipeline.summarization.stage import SummarySink
+    from pipeline.summarization.sink import SummarySink
 
     spec, resume = _check_args(args)
     started = time.perf_counter()
@@ -223,26 +235,15 @@ def run(args: argparse.Namespace) -> int:
     checkpoint.resolve_checkpoint(args.model, args.cache_dir)
     local = _init_ray(args.address)
     summarize = None
+    census = None
     try:
         documents = read_documents(spec)
-        id_counts, num_rows = id_census(documents)
-        duplicates = find_duplicate_ids(id_counts)
-        if duplicates:
-            logger.warning("%d ids occur more than once; their rows become errors", len(duplicates))
-        if args.ids is not None:
-            wanted = args.ids
-            missing = sorted(wanted - id_counts.keys())
-            if missing:
-                shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-                raise ConfigError(f"--ids not in {args.input}: {shown}")
-            documents = documents.filter(lambda row: row["id"] in wanted, num_cpus=DATA_TASK_CPUS)
-        if args.limit is not None:
-            documents = documents.limit(args.limit)
-        if resume.done_ids:
-            done = resume.done_ids
-            documents = documents.filter(
-                lambda row: row["id"] is None or row["id"] not in done, num_cpus=DATA_TASK_CPUS
-            )
+        if args.ids is None:
+            # The census is a pass over the input (Ray Data tasks on the cores the replicas leave
+            # free); it runs while the replicas load their model rather than before.
+            census = ThreadPoolExecutor(1, thread_name_prefix="id-census").submit(id_census, documents)
+        else:  # ids that must exist are checked before any replica starts
+            id_counts, num_rows = _check_ids(id_census(documents), args)
         summarize = build_summarizer(
             SummarizerConfig(
                 model=args.model,
@@ -268,6 +269,21 @@ def run(args: argparse.Namespace) -> int:
                 reference_column="reference",
             )
         )
+        if census is not None:
+            id_counts, num_rows = census.result()
+        duplicates = find_duplicate_ids(id_counts)
+        if duplicates:
+            logger.warning("%d ids occur more than once; their rows become errors", len(duplicates))
+        if args.ids is not None:
+            wanted = args.ids
+            documents = documents.filter(lambda row: row["id"] in wanted, num_cpus=DATA_TASK_CPUS)
+        if args.limit is not None:
+            documents = documents.limit(args.limit)
+        if resume.done_ids:
+            done = resume.done_ids
+            documents = documents.filter(
+                lambda row: row["id"] is None or row["id"] not in done, num_cpus=DATA_TASK_CPUS
+            )
         sink = SummarySink(args.output / OUTPUT_NAME)
         with summarize.progress(_expected_rows(id_counts, num_rows, args, resume.done_ids)):
             summarize(documents, duplicates).write_datasink(sink, ray_remote_args={"num_cpus": DATA_TASK_CPUS})
@@ -275,6 +291,9 @@ def run(args: argparse.Namespace) -> int:
         # per-request tokens/s is no throughput; tokens over the replicas' busy time are.
         usage = summarize.usage()
     finally:
+        if census is not None:
+            # A failed start waits for the census: its Ray Data tasks end before the cluster does.
+            wait([census])
         if summarize is not None:
             summarize.shutdown()
         if local:

@@ -1,5 +1,5 @@
-"""The Ray Data glue of the summarization job: the `map_batches` stage, its dispatcher to the
-replicas, and the datasink that writes the stage's rows."""
+"""The Ray Data glue of the summarization job: the `map_batches` stage and its dispatcher to
+the replicas (the datasink that writes the stage's rows is sink.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,12 @@ from pathlib import Path
 
 import pyarrow as pa
 import ray
-from ray.data import Datasink
-from ray.data.block import BlockAccessor
 from ray.util.metrics import Counter
 
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.errors import ConfigError, KnapSpecError
 from pipeline.logs import configure_worker_logging
-from pipeline.summarization.output import OUTPUT_COLUMNS, RunTotals, error_row, rows_to_table, write_part
+from pipeline.summarization.output import error_row, rows_to_table
 from pipeline.summarization.rows import validate_row
 from pipeline.summarization.summarizer import DocumentSummarizer, SummarizeSettings
 
@@ -133,28 +131,3 @@ class SummarizeBatch:
             return out
         logger.warning("Document %r: %s", row_id, message)
         return error_row(row_id, message, self.settings.model, self.settings.strategy)
-
-
-class SummarySink(Datasink[RunTotals]):
-    """Writes each block as it arrives (one atomic Parquet part file per block), so a killed
-    job loses only the rows in flight, and tallies what it wrote for the job's closing table."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = Path(folder)
-        self.totals = RunTotals()
-
-    def get_name(self) -> str:
-        return "WriteSummaries"
-
-    def write(self, blocks, ctx) -> RunTotals:
-        totals = RunTotals()
-        for block in blocks:
-            table = BlockAccessor.for_block(block).to_arrow()
-            if table.num_rows:
-                write_part(self.folder, table.select(list(OUTPUT_COLUMNS)))
-                totals.add_table(table)
-        return totals
-
-    def on_write_complete(self, write_result) -> None:
-        for totals in write_result.write_returns:
-            self.totals.merge(totals)
