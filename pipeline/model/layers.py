@@ -98,12 +98,18 @@ def later_in_block(num_tokens: int, device: torch.device) -> torch.Tensor | None
 
 
 def fused_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    mask: torch.Tensor | None,
+    scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, head_dim] at positions [start, start + T) over keys/values [kv_heads, start + T, head_dim]
-    -> [T, H * head_dim]."""
+    -> [T, H * head_dim], into `out` where given (a batch's rows: one copy instead of two)."""
     num_tokens = q.shape[0]
-    out = F.scaled_dot_product_attention(
+    attended = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         keys[None],
         values[None],
@@ -112,7 +118,10 @@ def fused_attention(
         scale=scale,
         enable_gqa=True,
     )  # [1, H, T, head_dim]
-    return out[0].transpose(0, 1).reshape(num_tokens, -1)
+    if out is None:
+        return attended[0].transpose(0, 1).reshape(num_tokens, -1)
+    out.view(num_tokens, *q.shape[1:]).copy_(attended[0].transpose(0, 1))
+    return out
 
 
 def group_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

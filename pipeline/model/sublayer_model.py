@@ -207,19 +207,16 @@ class SublayerModel:
             attn_item, mlp_item = items.layer_items(i)
             if attn_item not in skip:
                 q, k, v = (x[0] for x in self._qkv(layer, h, 1, h.shape[0], cos, sin, ranges))  # [M, heads, head_dim]
-                if pooled is None:
-                    out = torch.cat([self._attend_span(i, q, k, v, spans[j], offsets[j], masks[j]) for j in own])
-                else:
-                    pooled_out = self._attend_pooled(i, q, k, v, pooled, every_row_pooled)
-                    if every_row_pooled:
-                        out = pooled_out
-                    else:
-                        out = pooled_out.new_empty(h.shape[0], pooled_out.shape[1])
-                        out[pooled.rows] = pooled_out
-                        for j in own:
-                            out[offsets[j] : offsets[j + 1]] = self._attend_span(
-                                i, q, k, v, spans[j], offsets[j], masks[j]
-                            )
+                if every_row_pooled:
+                    out = self._attend_pooled(i, q, k, v, pooled, True)
+                elif pooled is None and len(own) == 1:
+                    out = self._attend_span(i, q, k, v, spans[0], 0, masks[0])
+                else:  # every request's rows written into one tensor: no concatenation of a prefill chunk
+                    out = q.new_empty(h.shape[0], q.shape[1] * q.shape[2])
+                    if pooled is not None:
+                        out[pooled.rows] = self._attend_pooled(i, q, k, v, pooled, False)
+                    for j in own:
+                        self._attend_span(i, q, k, v, spans[j], offsets[j], masks[j], out[offsets[j] : offsets[j + 1]])
                 h = h + self._reduced(self._linear(layer.o, out, ranges))
             if mlp_item not in skip:
                 h = h + self._mlp(layer, h, ranges)
@@ -231,11 +228,10 @@ class SublayerModel:
         [start, start + T) (the benchmark's step breakdown times it apart from the linears)."""
         return self._attend(index, q, k, v, cache, start, block_mask(q.shape[0], start, self.device))
 
-    def _attend_span(self, index: int, q, k, v, span: tuple[KVCache, int, int], offset: int, mask) -> torch.Tensor:
+    def _attend_span(self, index: int, q, k, v, span: tuple[KVCache, int, int], offset: int, mask, out=None):
         cache, start, n = span
-        return self._attend(
-            index, q[offset : offset + n], k[offset : offset + n], v[offset : offset + n], cache, start, mask
-        )
+        rows = slice(offset, offset + n)
+        return self._attend(index, q[rows], k[rows], v[rows], cache, start, mask, out)
 
     def _attend_pooled(self, index: int, q, k, v, pooled: PooledRows, every_row: bool) -> torch.Tensor:
         """The pooled rows' keys/values into their slots, then attention over runs of the slots."""
@@ -355,7 +351,10 @@ class SublayerModel:
             return linear(x)
         if len(ranges) == 1:
             return linear(x, ranges[0][2])
-        return torch.cat([linear(x[a:e], packed) for a, e, packed in ranges])
+        out = x.new_empty(x.shape[0], linear.out_features)
+        for a, e, packed in ranges:
+            linear(x[a:e], packed, out[a:e])
+        return out
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
         return partial if self.reduce is None else self.reduce(partial)
@@ -399,16 +398,16 @@ class SublayerModel:
         q, k, v = self._qkv(layer, h, 1, h.shape[0], cos, sin)
         return self._reduced(layer.o(self._attend(index, q[0], k[0], v[0], cache, start, mask)))
 
-    def _attend(
-        self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, start: int, mask
-    ) -> torch.Tensor:
+    def _attend(self, index: int, q, k, v, cache: KVCache, start: int, mask, out=None) -> torch.Tensor:
         """One request's queries, keys and values [T, heads, head_dim] at [start, start + T): the
-        keys and values into its cache, then attention over it -> [T, H * head_dim]."""
+        keys and values into its cache, then attention over it -> [T, H * head_dim] (into `out`)."""
         num_tokens, end = q.shape[0], start + q.shape[0]
         cache.write(index, start, k.transpose(0, 1), v.transpose(0, 1))
         if num_tokens >= FUSED_ATTENTION_MIN_TOKENS:
-            return fused_attention(q, *cache.view(index, end), start, mask, self._scale)
+            return fused_attention(q, *cache.view(index, end), start, mask, self._scale, out)
         if self._kernel:
-            return kernel_attention(q * self._scale, *cache.view(index, end), start, self.spec.num_kv_heads)
-        keys, values = cache.view(index, aligned_keys(end, cache.capacity, q.device))  # [kv_heads, n, head_dim]
-        return matmul_attention(q * self._scale, keys, values, start, mask, self.spec.num_kv_heads)
+            result = kernel_attention(q * self._scale, *cache.view(index, end), start, self.spec.num_kv_heads)
+        else:
+            keys, values = cache.view(index, aligned_keys(end, cache.capacity, q.device))  # [kv_heads, n, head_dim]
+            result = matmul_attention(q * self._scale, keys, values, start, mask, self.spec.num_kv_heads)
+        return result if out is None else out.copy_(result)
