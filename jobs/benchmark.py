@@ -50,6 +50,7 @@ from pipeline.knapspec.tpt import choose_plan
 from pipeline.logs import configure_logging
 from pipeline.model import items, short_attention
 from pipeline.model.linear import resolve_compute_mode
+from pipeline.model.packing import RequestRows
 from pipeline.summarization.prompts import build_prompt
 from profiling.calibration import store_calibrator
 
@@ -62,6 +63,9 @@ CONTROL = "ar-control"  # the reference strategy, run a second time
 # Whose plan predicts their speed (the hybrid mixes in copied drafts its layer plan does not predict).
 SEARCHING = ("knapspec", "knapspec-coupled")
 VERIFY_SIZES = (1, 2, 4, 8, 11)
+# Rows each request of a batch verifies (1 + its drafted tokens) in the batch's verify cost.
+BATCH_VERIFY_ROWS = (1, 2, 3, 5)
+TARGET_BATCH_SPEEDUP = 1.3  # what the batch verify table asks of a draft
 MATMUL = short_attention.MATMUL_ROUTE  # DTYPE+matmul: attention by PyTorch's matmuls, not the fused kernel
 
 
@@ -328,6 +332,41 @@ def search_share(run: BatchRun) -> float | None:
     return math.fsum(searched) / run.decode_s
 
 
+def batch_verify_costs(engine: Engine, prompts: list[torch.Tensor], prefilled: list, rounds: int = 7) -> dict:
+    """Median seconds of one batched forward in which every request verifies r rows (r - 1 drafted
+    tokens), for each r in BATCH_VERIFY_ROWS, over copies of the prefilled caches in one KV pool as
+    a replica holds them: what drafting costs a batch, which its accepted tokens must repay. Row
+    counts alternate their order from round to round so that noise hits them alike."""
+    model = engine.model
+    pool = model.new_pool(len(prefilled), max(f.cache.capacity for f in prefilled))
+    caches = [pool.adopt(f.cache) for f in prefilled]
+    seconds: dict[int, list[float]] = {r: [] for r in BATCH_VERIFY_ROWS}
+    for round_ in range(rounds + 1):  # the first round warms up
+        for r in BATCH_VERIFY_ROWS if round_ % 2 else BATCH_VERIFY_ROWS[::-1]:
+            blocks = [RequestRows(c, p[-r:].clone(), c.length) for c, p in zip(caches, prompts)]
+            started = time.perf_counter()
+            model.forward_batch(blocks, logits="all")
+            if round_:
+                seconds[r].append(time.perf_counter() - started)
+    for cache in caches:
+        pool.release(cache)
+    return {r: statistics.median(v) for r, v in seconds.items()}
+
+
+def batch_verify_row(doc_id: str, context_tokens: int, size: int, costs: dict[int, float]) -> dict:
+    """One row of the batch verify table. With d drafted tokens a request must add a(d) accepted
+    tokens per step for the batch to gain TARGET_BATCH_SPEEDUP: (1 + a) / (cost(1 + d) / cost(1)) >= it."""
+    ratios = {r: costs[r] / costs[1] for r in BATCH_VERIFY_ROWS}
+    return {
+        "doc_id": doc_id,
+        "context_tokens": context_tokens,
+        "batch_size": size,
+        "step_1_s": costs[1],
+        **{f"rows_{r}_over_1": ratios[r] for r in BATCH_VERIFY_ROWS[1:]},
+        **{f"accepted_needed_{r - 1}": TARGET_BATCH_SPEEDUP * ratios[r] - 1 for r in BATCH_VERIFY_ROWS[1:]},
+    }
+
+
 def verify_costs(engine: Engine, prompt_ids: torch.Tensor, rounds: int = 9) -> dict:
     """Median seconds of one full forward of k tokens after the prompt (a verify of k - 1
     drafts), for each k in VERIFY_SIZES, and of its parts for k = 1 and 4: every linear with
@@ -393,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     batch_sizes = sorted({int(x) for x in args.batch_sizes.split(",")})
     records: list[Record] = []
     verify_rows = []
+    batch_verify = []
     forced: list[dict] = []
     for doc_id, text in documents.items():
         for length in lengths:
@@ -428,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
                     records.append(
                         batch_record(name, dtype, doc_id, size, batch_runs, ref_speeds, reference_at_1, alone[dtype])
                     )
+                if size > 1:
+                    costs = batch_verify_costs(engines[reference[1]], prompts[:size], prefilled[reference[1]][:size])
+                    batch_verify.append(batch_verify_row(doc_id, prompts[0].numel(), size, costs))
             if args.no_fallback:
                 forced += forced_candidates(
                     engines[reference[1]], prompts[0], prefilled[reference[1]][0], doc_id, args.max_new_tokens,
@@ -465,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "records": [asdict(r) | {"measured_tpt": r.measured_tpt} for r in records],
         "verify_cost": verify_rows,
+        "batch_verify_cost": batch_verify,
         "forced_candidates": forced,
         "forced_pearson_r": correlation,
         "summary": summary,
@@ -479,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     if batches:
         print()
         print(batches)
+    if batch_verify:
+        print()
+        print(format_batch_verify(batch_verify))
     plans = format_batch_plans(records)
     if plans:
         print()
@@ -489,6 +536,27 @@ def main(argv: list[str] | None = None) -> int:
     if correlation is not None:
         print(f"\nForced DP candidates: Pearson r(predicted, measured TPT) = {correlation:.2f} over {len(forced)}")
     return 0
+
+
+def format_batch_verify(rows: list[dict]) -> str:
+    """What drafting costs a batch (the reference's mode), and the accepted tokens per request and
+    step that would repay it TARGET_BATCH_SPEEDUP-fold: compare them with a strategy's own."""
+    drafts = [r - 1 for r in BATCH_VERIFY_ROWS[1:]]
+    lines = [
+        "| doc | context | batch | step ms | "
+        + " | ".join(f"{r} rows each / 1" for r in BATCH_VERIFY_ROWS[1:])
+        + " | "
+        + " | ".join(f"accepted for {TARGET_BATCH_SPEEDUP}x, {d} drafted" for d in drafts)
+        + " |",
+        "|---|---:|---:|---:|" + "---:|" * 2 * len(drafts),
+    ]
+    for v in rows:
+        ratios = " | ".join(f"{v[f'rows_{r}_over_1']:.2f}" for r in BATCH_VERIFY_ROWS[1:])
+        needed = " | ".join(f"{v[f'accepted_needed_{d}']:.2f}" for d in drafts)
+        lines.append(
+            f"| {v['doc_id']} | {v['context_tokens']} | {v['batch_size']} | {v['step_1_s'] * 1e3:.1f} | {ratios} | {needed} |"
+        )
+    return "\n".join(lines)
 
 
 def format_forced(forced: list[dict]) -> str:

@@ -164,3 +164,10 @@ def test_benchmark_across_batch_sizes(tmp_path):
     for breakdown in out["verify_cost"]:
         assert breakdown["linears_1_s"] > 0 and breakdown["attention_4_s"] > 0
         assert breakdown["step_over_linears_and_attention"] > 0 and breakdown["linears_4_over_1"] > 0
+    # What drafting costs the batch of three, and the acceptance that would repay it.
+    (batch_verify,) = out["batch_verify_cost"]
+    assert batch_verify["batch_size"] == 3 and batch_verify["step_1_s"] > 0
+    for drafted in (1, 2, 4):
+        ratio = batch_verify[f"rows_{drafted + 1}_over_1"]
+        assert ratio > 0
+        assert batch_verify[f"accepted_needed_{drafted}"] == pytest.approx(benchmark.TARGET_BATCH_SPEEDUP * ratio - 1)

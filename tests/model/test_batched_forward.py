@@ -173,6 +173,41 @@ def test_many_verify_rows_keep_the_fp16w_kernel(tiny_llama):
         torch.testing.assert_close(g, e, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.skipif(not fp16w_available(), reason="needs FBGEMM")
+def test_a_prefill_chunk_beside_decode_rows_is_computed_bit_for_bit_as_alone(tiny_llama):
+    """A mixed step: decode and verify rows (fp16w's fp16 kernel) around a prefill chunk of 40
+    rows (its fp32 copy), which wants its last row's logits as in a batcher's step. Each range's
+    linears write into one output tensor; every request's logits and keys are its own alone, bit
+    for bit."""
+    _, model = load_tiny(tiny_llama, "fp16w")
+    prompts = [ids(80, 30), ids(81, 1), ids(82, 45)]
+    rows = [ids(90, 1), ids(91, 40), ids(92, 4)]
+    wanted = ["all", "last", "all"]
+    alone = [prefilled(model, p, room=48) for p in prompts]
+    together = [prefilled(model, p, room=48) for p in prompts]
+    expected = [model.forward(c, r, c.length, logits=w).logits for c, r, w in zip(alone, rows, wanted)]
+    got = model.forward_batch([RequestRows(c, r, c.length, logits=w) for c, r, w in zip(together, rows, wanted)])
+    for g, e, a, t in zip(got, expected, alone, together):
+        assert torch.equal(g, e)
+        assert torch.equal(t.keys, a.keys) and torch.equal(t.values, a.values)
+
+
+def test_a_linear_writes_into_a_given_tensor_with_the_same_bits():
+    from pipeline.model.linear import ComputeMode, Linear
+
+    generator = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn(48, 32, generator=generator), torch.randn(48, generator=generator)
+    x = torch.randn(45, 32, generator=generator)
+    for mode in MODES:
+        for b in (None, bias):
+            linear = Linear(weight, b, ComputeMode(mode))
+            for packed in (True, False) if mode == "fp16w" else (None,):
+                out = torch.full((50, 48), float("nan"))
+                linear(x[5:], packed, out[3:43])
+                assert torch.equal(out[3:43], linear(x[5:].clone(), packed))
+                assert out[:3].isnan().all() and out[43:].isnan().all()
+
+
 def test_a_pooled_slot_is_a_cache(tiny_llama):
     _, model = load_tiny(tiny_llama)
     pool = model.new_pool(2, 16)
