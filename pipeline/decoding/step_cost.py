@@ -9,10 +9,12 @@ The linears read the weights once (`fixed`) and grow by rows (`per_row`); each r
 reads its own cache (`per_key` per cached token) and pays more for each query row past
 the first (`per_key_row`). The latency table gives a first estimate (a table measured
 on a busy machine can be off by a quarter), and the engine's own step timings correct
-it: a least-squares fit, pulled toward the table where the steps say little (a batch
-that never drafts says nothing of `per_key_row`), weighted to the most recent steps so
-that a device slowing down mid-run is followed (restarted from the latest steps when they
-all miss the same way: a device several times slower), and robust to the odd stalled step.
+it: a least-squares fit with no coefficient below zero, pulled toward the table where the
+steps say little (a batch that never drafts says nothing of `per_key_row`; a request
+alone, one shape of step, tells only its total, shared among the coefficients as the table
+shares it), weighted to the most recent steps so that a device slowing down mid-run is
+followed (restarted from the latest steps when they all miss the same way: a device
+several times slower), and robust to the odd stalled step.
 """
 
 from __future__ import annotations
@@ -164,17 +166,22 @@ class OnlineStepCost:
         recency = 0.5 ** (ages / self._half_life)
         # Relative errors: a long step counts as much as a short one.
         x, target = x / y[:, None], torch.ones_like(y)
-        # The table's pull on each coefficient: PRIOR_STEPS steps' worth of seeing it alone.
-        # A coefficient the steps never show (no step drafted) keeps the table's value.
+        # The table's pull on each coefficient: a relative change of it costs PRIOR_STEPS steps'
+        # worth of its share of a step, squared relative change times share. Steps of one shape
+        # (a request decoding alone) tell only their total, and this pull shares a correction
+        # among the coefficients in proportion to their shares: the table's split is kept. A
+        # coefficient the steps never show (no step drafted) keeps the table's value.
         seen = (x.abs() * recency[:, None]).sum(0) / recency.sum()
+        share = seen * prior
+        relative = share.clamp_min(0.0).sqrt() / prior.clamp_min(1e-30)
         unseen = torch.where(prior > 0, 1e-3 / prior.clamp_min(1e-30), torch.ones_like(prior))
-        pull = torch.maximum(seen, unseen) * math.sqrt(PRIOR_STEPS)
+        pull = torch.maximum(torch.where(prior > 0, relative, seen), unseen) * math.sqrt(PRIOR_STEPS)
 
         def solve(weights: torch.Tensor) -> torch.Tensor:
             sw = weights.sqrt()
             a = torch.cat([x * sw[:, None], torch.diag(pull)])
             b = torch.cat([target * sw, pull * prior])
-            return torch.linalg.lstsq(a, b[:, None]).solution[:, 0].clamp_min(0.0)
+            return nonnegative_lstsq(a, b)
 
         theta = prior
         for _ in range(8):  # iteratively reweighted least squares from the table (Huber)
@@ -183,3 +190,34 @@ class OnlineStepCost:
         residual = (target - x @ theta).abs()
         theta = solve(recency * (residual < STALL))  # a stalled step (a neighbour's burst) is no evidence
         return StepCost(*(float(v) for v in theta))
+
+
+def nonnegative_lstsq(a: torch.Tensor, b: torch.Tensor, max_rounds: int = 32) -> torch.Tensor:
+    """argmin |a x - b| over x >= 0 (Lawson and Hanson's active set method, for a few columns).
+
+    A free solve whose negative coefficients are then cut to zero is no fit: the time they
+    took off comes back, and the fit misses every step by it."""
+    num = a.shape[1]
+    x = torch.zeros(num, dtype=a.dtype)
+    free = torch.zeros(num, dtype=torch.bool)  # the coefficients allowed off zero
+    tolerance = 1e-10 * float((a.T @ b).abs().max().clamp_min(1e-300))
+    for _ in range(max_rounds):
+        gradient = a.T @ (b - a @ x)  # where the error falls as a coefficient grows
+        gradient[free] = -math.inf
+        if float(gradient.max()) <= tolerance:
+            break
+        free[int(gradient.argmax())] = True
+        while True:  # solve over the free coefficients, stepping back to the last one that goes <= 0
+            z = torch.zeros_like(x)
+            z[free] = torch.linalg.lstsq(a[:, free], b[:, None]).solution[:, 0]
+            if bool((z[free] > 0).all()):
+                x = z
+                break
+            ratios = torch.where(free & (z <= 0), x / (x - z).clamp_min(1e-300), torch.full_like(x, math.inf))
+            first = int(ratios.argmin())  # the first coefficient to reach zero on the way to z
+            x = (x + float(ratios[first]) * (z - x)).clamp_min(0.0)
+            x[first] = 0.0
+            free &= x > 0
+            if not bool(free.any()):
+                break
+    return x

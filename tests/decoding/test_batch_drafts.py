@@ -16,7 +16,7 @@ from pipeline.decoding.drafters import Draft, DraftRequest, NoDraft
 from pipeline.decoding.loop import DecodeConfig, DecodingRequest, decode, decode_batch, prefill
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
-from pipeline.decoding.step_cost import OnlineStepCost, StepCost
+from pipeline.decoding.step_cost import OnlineStepCost, StepCost, nonnegative_lstsq
 from pipeline.knapspec.hybrid import KnapSpecLookupDrafter
 from tests.builders import (
     SEARCH_CONFIG,
@@ -140,6 +140,41 @@ def test_a_device_several_times_slower_is_followed_within_a_few_dozen_steps():
         online.observe(*step)
     assert online.num_changes == 1
     assert worst_error(online.current(), truth, seed=5, slowdown=10.0) < 0.15
+
+
+def test_the_nonnegative_solve_is_lawson_and_hansons():
+    from scipy.optimize import nnls
+
+    generator = torch.Generator().manual_seed(11)
+    scales = torch.tensor([1.0, 1e3, 1e-2, 5.0], dtype=torch.float64)  # columns as unlike as the fit's
+    for _ in range(50):
+        a = torch.randn(60, 4, dtype=torch.float64, generator=generator) * scales
+        b = torch.randn(60, dtype=torch.float64, generator=generator)
+        expected = torch.from_numpy(nnls(a.numpy(), b.numpy())[0])
+        torch.testing.assert_close(nonnegative_lstsq(a, b), expected, atol=1e-9, rtol=1e-6)
+    a = torch.eye(3, dtype=torch.float64)
+    assert nonnegative_lstsq(a, torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)).tolist() == [1.0, 0.0, 3.0]
+
+
+def test_a_request_alone_corrects_a_table_that_overstates_its_step():
+    """A request decoding alone: every step one row at a context one longer. The steps say only
+    what that one shape costs, so the fit shares the correction among the coefficients that
+    shape uses in proportion to their shares (the table's split, and so its verify slope, is
+    kept) and none goes below zero (a fit that shared it equally, solved freely and cut its
+    negative coefficients to zero stayed ~30% slow)."""
+    truth = StepCost(fixed=0.018, per_row=0.002, per_key=5e-6, per_key_row=1e-6)
+    table = StepCost(fixed=0.041, per_row=0.0021, per_key=4e-6, per_key_row=2e-7)  # one row at 1k: 1.7x slow
+    rng = random.Random(3)
+    for context in (1000, 4000):
+        online = OnlineStepCost(table)
+        for i in range(48):
+            online.observe([context + i], [1], False, truth.seconds([context + i], [1]) * rng.uniform(0.96, 1.04))
+        later = [fitted for _, fitted in list(online.errors)[16:]]
+        assert max(later) < 0.15, (context, max(later))
+        fitted = online.current()
+        assert min(fitted.as_tuple()) >= 0.0
+        assert fitted.per_row / fitted.fixed == pytest.approx(table.per_row / table.fixed, rel=0.1)
+        assert fitted.per_key / fitted.fixed == pytest.approx(table.per_key / table.fixed, rel=0.1)
 
 
 def test_steps_that_never_draft_keep_the_tables_draft_costs():
