@@ -85,8 +85,8 @@ class Linear:
         """`packed` (fp16w mode): use the fp16 kernel (True) or the fp32 copy (False) whatever the
         rows; None chooses by the rows. A batch passes the choice each request would get alone.
         `out` (contiguous [rows, out_features]): where the result goes, so that a batch's row
-        ranges fill one tensor instead of being concatenated (a prefill chunk's copy cost ~10% of
-        its step); the same kernel as without it, so the same bits."""
+        ranges fill one tensor instead of being concatenated (the copy of a prefill chunk's rows
+        cost 5-10% of its step); the same kernel as without it, so the same bits."""
         if self._packed is not None and (x.shape[0] <= FP16W_MAX_ROWS if packed is None else packed):
             y = torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
             return y if out is None else out.copy_(y)
