@@ -228,7 +228,9 @@ class SublayerModel:
         [start, start + T) (the benchmark's step breakdown times it apart from the linears)."""
         return self._attend(index, q, k, v, cache, start, block_mask(q.shape[0], start, self.device))
 
-    def _attend_span(self, index: int, q, k, v, span: tuple[KVCache, int, int], offset: int, mask, out=None) -> torch.Tensor:
+    def _attend_span(
+        self, index: int, q, k, v, span: tuple[KVCache, int, int], offset: int, mask, out=None
+    ) -> torch.Tensor:
         cache, start, n = span
         rows = slice(offset, offset + n)
         return self._attend(index, q[rows], k[rows], v[rows], cache, start, mask, out)
