@@ -323,7 +323,8 @@ class Engine:
         drafter = self.drafter(strategy)
         if prefilled is None:
             prefilled = self.prefill(prompt_ids, max_new_tokens)
-        return decode(self.model, prefilled, config, params, drafter, prompt_ids.tolist())
+        budget = self._step_cost.budget() if isinstance(self.model, SublayerModel) else None
+        return decode(self.model, prefilled, config, params, drafter, prompt_ids.tolist(), budget)
 
     def _check_context(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> None:
         if prompt_ids.numel() + max_new_tokens > self.model.max_context:

@@ -5,7 +5,7 @@ profile measures it slower, as on a genuinely slower GPU. A wait rather than rep
 work, so the difference holds on a busy machine, where extra compute would drown in the
 noise. Applied from outside, to the models of a test:
 
-- `slow_down(model, delay_s)`: one model in this process;
+- `slow_down(model, delay_s)`: one model in this process (its MLPs alone, if asked);
 - `slowed(delay_s)`: every SublayerModel while it lasts, and this process's CPU named apart
   (so that its calibrations are stored apart from the fast device's);
 - `install`, a Ray `worker_process_setup_hook` (see `runtime_env`): `slowed` for the life of
@@ -39,11 +39,14 @@ def _delayed(call, delay_s: float):
     return slow
 
 
-def slow_down(model: SublayerModel, delay_s: float) -> None:
-    """Make every attention and MLP call of `model` wait `delay_s` first."""
+def slow_down(model: SublayerModel, delay_s: float, sublayers: tuple[str, ...] = ("attention", "mlp")) -> None:
+    """Make every call of `model`'s `sublayers` wait `delay_s` first. A batched forward calls its
+    MLPs once a layer, but its attention once a layer or once per request as the batch's caches
+    fall: slowing the MLPs alone gives every step of a batch one cost."""
     if delay_s <= 0:
         return
-    model._attention, model._mlp = _delayed(model._attention, delay_s), _delayed(model._mlp, delay_s)
+    for name in sublayers:
+        setattr(model, f"_{name}", _delayed(getattr(model, f"_{name}"), delay_s))
 
 
 def _slow_everything(delay_s: float) -> dict:

@@ -77,15 +77,23 @@ def decode(
     params: SamplingParams,
     drafter: Drafter | None = None,
     prompt_ids: list[int] | None = None,
+    budget: DraftBudget | None = None,
 ) -> GenerationResult:
     """Generate after a prefilled prompt. Consumes `prefilled.cache`.
 
-    `prompt_ids` is what drafters that copy from the context (prompt lookup) read.
+    `prompt_ids` is what drafters that copy from the context (prompt lookup) read; `budget`
+    times the steps (an engine's: the fit of its device's step cost, which a searching drafter
+    plans from once it has seen a few steps).
     """
     request = DecodingRequest(prefilled, config, params, drafter, prompt_ids)
     while request.running:
+        if budget is not None:
+            plan_together(model, [request], budget)
         draft = request.propose(model)
+        started = time.perf_counter()
         logits = model.forward(request.cache, request.verify_ids(draft, model.device), request.cache.length).logits
+        if budget is not None:
+            budget.observe([request], [draft], time.perf_counter() - started)
         request.accept(draft, logits)
     return request.result()
 

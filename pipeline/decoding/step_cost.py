@@ -44,6 +44,9 @@ STALL = 0.5
 # drop the new steps.)
 CHANGE_STEPS = 8
 CHANGE_ERROR = 0.25
+# Timed steps a fit has seen before a plan is made from it (the table alone before: a plan made
+# from one or two steps would follow their noise).
+MIN_TIMED_STEPS = 4
 
 
 class StepLatency(Protocol):
@@ -166,29 +169,37 @@ class OnlineStepCost:
         recency = 0.5 ** (ages / self._half_life)
         # Relative errors: a long step counts as much as a short one.
         x, target = x / y[:, None], torch.ones_like(y)
-        # The table's pull on each coefficient: a relative change of it costs PRIOR_STEPS steps'
-        # worth of its share of a step, squared relative change times share. Steps of one shape
-        # (a request decoding alone) tell only their total, and this pull shares a correction
-        # among the coefficients in proportion to their shares: the table's split is kept. A
-        # coefficient the steps never show (no step drafted) keeps the table's value.
+        # The table's pull: toward its coefficients times a free factor (a fifth unknown), so that
+        # a device uniformly slower or faster than its table, by any factor, costs the fit nothing;
+        # a change of the table's proportions costs, per coefficient, PRIOR_STEPS steps' worth of
+        # its share of a step times its squared relative change. Steps of one shape (a request
+        # decoding alone) tell only their total: the fit scales the table to it, its split kept.
+        # A coefficient the steps never show (no step drafted) keeps its place in the table's
+        # proportions. Shares and relative changes are at the steps' own speed (`speed`: how many
+        # times the table's time they took), or a device 30x slower would be held to its table.
+        speed = float((1.0 / (x @ prior).clamp_min(1e-12)).median().clamp(1e-3, 1e3))
         seen = (x.abs() * recency[:, None]).sum(0) / recency.sum()
-        share = seen * prior
-        relative = share.clamp_min(0.0).sqrt() / prior.clamp_min(1e-30)
-        unseen = torch.where(prior > 0, 1e-3 / prior.clamp_min(1e-30), torch.ones_like(prior))
+        scaled = prior * speed
+        relative = (seen * scaled).sqrt() / scaled.clamp_min(1e-30)
+        unseen = torch.where(prior > 0, 1e-3 / scaled.clamp_min(1e-30), torch.ones_like(prior))
         pull = torch.maximum(torch.where(prior > 0, relative, seen), unseen) * math.sqrt(PRIOR_STEPS)
 
         def solve(weights: torch.Tensor) -> torch.Tensor:
+            if not bool((weights > 0).any()):
+                return prior
             sw = weights.sqrt()
-            a = torch.cat([x * sw[:, None], torch.diag(pull)])
-            b = torch.cat([target * sw, pull * prior])
-            return nonnegative_lstsq(a, b)
+            data = torch.cat([x * sw[:, None], torch.zeros(len(y), 1, dtype=x.dtype)], 1)
+            pulls = torch.cat([torch.diag(pull), -(pull * prior)[:, None]], 1)  # θ − factor · table
+            a = torch.cat([data, pulls])
+            b = torch.cat([target * sw, torch.zeros_like(prior)])
+            return nonnegative_lstsq(a, b)[:4]
 
         theta = prior
         for _ in range(8):  # iteratively reweighted least squares from the table (Huber)
             residual = (target - x @ theta).abs()
-            theta = solve(recency * (HUBER_DELTA / residual.clamp_min(1e-12)).clamp(max=1.0))
-        residual = (target - x @ theta).abs()
-        theta = solve(recency * (residual < STALL))  # a stalled step (a neighbour's burst) is no evidence
+            # A stalled step (a neighbour's burst) is no evidence at all, once the fit is near.
+            stalled = residual >= STALL if theta is not prior else torch.zeros_like(residual, dtype=torch.bool)
+            theta = solve(recency * (HUBER_DELTA / residual.clamp_min(1e-12)).clamp(max=1.0) * ~stalled)
         return StepCost(*(float(v) for v in theta))
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.decoding.batch_drafts import pooled
-from pipeline.decoding.step_cost import OnlineStepCost
+from pipeline.decoding.step_cost import MIN_TIMED_STEPS, OnlineStepCost
 from pipeline.knapspec.batch_latency import BatchLatency, BatchShape
 from pipeline.knapspec.knapsack import (
     KnapsackProblem,
@@ -61,8 +61,6 @@ logger = logging.getLogger(__name__)
 # the batch than many from one.
 MAX_SAMPLED_REQUESTS = 4
 MIN_TOKENS_PER_REQUEST = 2
-# Batch steps timed before the first batch search.
-MIN_TIMED_STEPS = 4
 # Searches whose record a planner keeps (a replica's planner lives as long as its job).
 SEARCHES_KEPT = 1024
 
@@ -210,8 +208,11 @@ class BatchPlanner:
     def prepare(self, model, requests: Sequence, cost: OnlineStepCost | None) -> None:
         """Before a batch step: the plan of `requests` (DecodingRequests whose drafters carry this
         planner), re-made when due, adopted by each. Alone, or on a model this planner cannot
-        search (a pipeline runs its DP stage by stage), each request plans for itself."""
+        search (a pipeline runs its DP stage by stage), each request plans for itself, from the
+        table as `cost` (the fit of the timed steps) corrects it once it has seen a few steps."""
         drafters = [layer_drafter(r.drafter) for r in requests]
+        for drafter in drafters:  # for when it plans alone
+            drafter.follow(cost)
         if len(requests) < 2 or isinstance(model, RunsKnapsack) or not isinstance(self.latency, LatencyModel):
             for drafter in drafters:
                 drafter.release()

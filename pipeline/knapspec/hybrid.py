@@ -36,7 +36,6 @@ class KnapSpecLookupDrafter:
         lookup: PromptLookupDrafter,
         history: SearchHistory | None = None,
     ) -> None:
-        self.latency = latency
         self.knapspec = KnapSpecDrafter(latency, config, history)
         self.lookup = lookup
         self.max_draft = max(config.max_draft, lookup.max_draft)
@@ -49,6 +48,12 @@ class KnapSpecLookupDrafter:
         self._proposed: tuple[int, list[int]] = (0, [])  # the copy last proposed: where it starts, its tokens
         # Declined copies awaiting the tokens that score them: (where they start, tokens).
         self._shadows: list[tuple[int, list[int]]] = []
+
+    @property
+    def latency(self) -> LatencyModel:
+        """The table its layer plans are made from (as the timed steps corrected it): a copy's
+        length is weighed against it too."""
+        return self.knapspec.latency
 
     @property
     def batch_planner(self):

@@ -25,7 +25,9 @@ from pipeline.decoding.drafters import (
     LayerSkipDrafter,
     run_steps,
 )
+from pipeline.decoding.step_cost import MIN_TIMED_STEPS, OnlineStepCost
 from pipeline.errors import ConfigError
+from pipeline.knapspec.batch_latency import corrected_table
 from pipeline.knapspec.knapsack import DEFAULT_THRESHOLD
 from pipeline.knapspec.latency import LatencyModel
 from pipeline.knapspec.tpt import (
@@ -163,10 +165,12 @@ class ReplanningDrafter:
     """
 
     def __init__(self, latency: LatencyModel, config: KnapSpecConfig, history: SearchHistory | None = None) -> None:
-        self.latency = latency
+        self.table = latency  # the device's, as given
+        self.latency = latency  # what plans are made from: the table, or the table as timed steps corrected it
         self.config = config
         self.history = history if history is not None else SearchHistory()
         self.max_draft = config.max_draft
+        self._timed: OnlineStepCost | None = None  # the step-cost fit of the steps this request runs in
         self.plan: DraftPlan | None = None
         self._weights: tuple[int, ...] | None = None
         self._steps_since_plan = 0
@@ -191,24 +195,42 @@ class ReplanningDrafter:
         self.count_step(context)
         if self._adopted:
             pass  # the batch's plan
-        elif self.plan is None and self.history.consecutive_ar(self._weights_at(context)):
-            # Earlier requests' searches found nothing at this context: start plainly.
-            plan = choose_plan([], lambda k: self.latency.t_verify(k, context), self.config.max_draft)
-            self._set_plan(plan, request.model, context, searched=False)
-        elif self._due(context) and context > self.config.num_reference_tokens:
-            t0 = time.perf_counter()
-            plan = self.make_plan(request)
-            if plan is None:
-                # No search fits the time budget: decode plainly until the next check.
+        elif self._due(context):
+            self._take_timed_table()
+            if self.plan is None and self.history.consecutive_ar(self._weights_at(context)):
+                # Earlier requests' searches found nothing at this context: start plainly.
                 plan = choose_plan([], lambda k: self.latency.t_verify(k, context), self.config.max_draft)
                 self._set_plan(plan, request.model, context, searched=False)
-                self.num_postponed += 1
-            else:
-                self._set_plan(plan, request.model, context)
-            self.optimize_s += time.perf_counter() - t0
+            elif context > self.config.num_reference_tokens:
+                self._replan(request, context)
         if self._drafter is None:
             return Draft([])
         return (yield from self._drafter.propose_steps(request))
+
+    def _replan(self, request: DraftRequest, context: int) -> None:
+        t0 = time.perf_counter()
+        plan = self.make_plan(request)
+        if plan is None:
+            # No search fits the time budget: decode plainly until the next check.
+            plan = choose_plan([], lambda k: self.latency.t_verify(k, context), self.config.max_draft)
+            self._set_plan(plan, request.model, context, searched=False)
+            self.num_postponed += 1
+        else:
+            self._set_plan(plan, request.model, context)
+        self.optimize_s += time.perf_counter() - t0
+
+    def follow(self, timed: OnlineStepCost | None) -> None:
+        """Plan from `timed` (the fit of the steps this request runs in: decoding/step_cost.py)
+        from the next plan on. A stored table can be far off on this machine today (measured while
+        it was busy, or corrected by a job that shared its cores); the fit is not, after a few steps."""
+        self._timed = timed
+
+    def _take_timed_table(self) -> None:
+        # Only when a plan is due: a table changed between plans would change the integer weights
+        # and so call for a search of its own.
+        timed = self._timed
+        if timed is not None and timed.num_steps >= MIN_TIMED_STEPS and isinstance(self.table, LatencyModel):
+            self.latency = corrected_table(self.table, timed.current())
 
     def count_step(self, context: int) -> None:
         """A decode step of this request at `context`: alone, it pays back its share of the

@@ -9,11 +9,12 @@ import dataclasses
 import pytest
 import torch
 
+from pipeline.decoding.batch_drafts import DraftBudget
 from pipeline.decoding.loop import DecodeConfig, DecodingRequest, decode, decode_batch, prefill
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest
-from pipeline.decoding.step_cost import StepCost
+from pipeline.decoding.step_cost import OnlineStepCost, StepCost
 from pipeline.knapspec import batch_plan
 from pipeline.knapspec.batch_latency import BatchLatency, BatchShape
 from pipeline.knapspec.batch_plan import (
@@ -37,6 +38,7 @@ from tests.builders import (
     random_knapsack,
     repeating_prompt,
 )
+from tests.slow_device import slow_down
 
 MS = 1e-3
 EOS = frozenset({2})
@@ -264,6 +266,12 @@ def counting_batch_searches(monkeypatch) -> list[int]:
     return calls
 
 
+def steps_cost_what_the_table_says(monkeypatch) -> None:
+    """The batch's step-cost fit stays at its table: a search budget is then the table's, not
+    the tiny model's (a few ms a step, where no search pays; the fit is tested on its own)."""
+    monkeypatch.setattr(OnlineStepCost, "current", lambda self: self.prior)
+
+
 def decode_two_planned(model, owing: float = 0.0, **overrides) -> BatchPlanner:
     """Two requests of 40 tokens under a fresh batch planner that owes `owing` search seconds,
     each against its own `ar` alone."""
@@ -284,6 +292,7 @@ def test_a_batch_search_that_cannot_pay_for_itself_is_postponed(tiny_deep_llama,
     """Where the search would cost more than its share of what a perfect draft could save, the
     batch decodes plainly until the next check: no DP runs and every request keeps its tokens.
     The same batch with room for its search searches."""
+    steps_cost_what_the_table_says(monkeypatch)
     calls = counting_batch_searches(monkeypatch)
     _, model = load_tiny(tiny_deep_llama)
     stingy = decode_two_planned(model, max_search_share_of_gain=1e-4)
@@ -318,6 +327,7 @@ def test_a_batch_search_plans_for_the_steps_at_its_tokens_per_step(tiny_deep_lla
 def test_a_batch_search_waits_until_decoding_has_paid_for_the_last(tiny_deep_llama, monkeypatch):
     """Searches share one budget: while the engine's search debt exceeds what a new search may
     take, the batch decodes plainly (and exactly), each batch step paying back its share."""
+    steps_cost_what_the_table_says(monkeypatch)
     calls = counting_batch_searches(monkeypatch)
     _, model = load_tiny(tiny_deep_llama)
     owing = decode_two_planned(model, owing=1e3, max_search_share_of_gain=1.0)
@@ -361,6 +371,38 @@ def test_requests_join_the_batch_plan_and_plan_alone_when_left_alone(tiny_deep_l
     # The longest request outlived the others: it was released to plan alone.
     assert not drafters[0]._adopted
     assert len(planner.searches) < batcher.steps
+
+
+def test_a_request_alone_plans_from_its_timed_steps_at_its_own_checks(tiny_deep_llama):
+    """A request decoding alone under a table measured on a device 20-30 times faster (the test
+    throttle slows every MLP call): from its first check after a few timed steps it plans from
+    the table as the steps corrected it, predicting its step within 15%, and it searches no more
+    often than its schedule says (the table changes only when a check is due anyway)."""
+    _, model = load_tiny(tiny_deep_llama)
+    fast = LatencyModel(
+        attn_slope=0.1e-6,
+        attn_base=0.1 * MS,
+        t_mlp=0.1 * MS,
+        t_fixed=0.1 * MS,
+        verify_ratios=tuple(1.0 + 0.05 * k for k in range(11)),
+        num_layers=model.spec.num_layers,
+    )
+    planner, drafter = planned_batch(model, fast, reoptimize_every=16)
+    slow_down(model, 5 * MS, sublayers=("mlp",))
+    prompt, limit = repeating_prompt(30, 0), 48
+    request = drafter()
+    budget = DraftBudget()
+    result = decode(model, prefill(model, prompt, limit), DecodeConfig(limit), SamplingParams(), request, prompt.tolist(), budget)
+    expected = decode(model, prefill(model, prompt, limit), DecodeConfig(limit), SamplingParams()).token_ids
+    assert_same_or_near_tie(model, prompt, result.token_ids, expected)
+    assert request.table is fast and request.latency is not fast
+    context = prompt.numel() + limit
+    fitted = budget.cost.current().seconds([context], [1])
+    assert request.latency.t_verify(1, context) == pytest.approx(fitted, rel=0.1)  # (the fit at its last check)
+    _, fit_error = budget.cost.prediction_errors(after=16)
+    assert fit_error < 0.15 and fast.t_verify(1, context) < 0.2 * fitted
+    checks = len(request.plans) + request.num_postponed
+    assert checks <= 1 + result.stats.steps // 16, (checks, result.stats.steps)
 
 
 def dear_verify_batch(model, count: int):

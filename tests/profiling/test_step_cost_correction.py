@@ -160,7 +160,7 @@ def test_an_engine_follows_a_device_slowed_mid_run_and_the_next_engine_starts_th
     fit = engine.step_cost.cost
     before = fit.num_observed
     assert before >= batch_drafts.RECORD_FIRST  # kept once already
-    slow_down(engine.model, SLOWDOWN_S)
+    slow_down(engine.model, SLOWDOWN_S, sublayers=("mlp",))
     engine.generate_batch(prompts, strategy, 40, max_batch=2)  # the same fit goes on
     table_error, fit_error = median_errors(fit, after=before + 32)
     assert table_error > 0.5 and fit_error < 0.15, (table_error, fit_error)
@@ -171,7 +171,7 @@ def test_an_engine_follows_a_device_slowed_mid_run_and_the_next_engine_starts_th
 
     following = Engine(config, calibrator=calibrator)
     assert following.latency == corrected_table(measured, stored.correction.cost) != measured
-    slow_down(following.model, SLOWDOWN_S)
+    slow_down(following.model, SLOWDOWN_S, sublayers=("mlp",))
     following.generate_batch(prompts, strategy, 40, max_batch=2)
     table_error, _ = median_errors(following.step_cost.cost, after=0)
     assert table_error < 0.2, table_error  # its table is the corrected one, from its first step
