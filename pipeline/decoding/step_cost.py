@@ -9,12 +9,12 @@ The linears read the weights once (`fixed`) and grow by rows (`per_row`); each r
 reads its own cache (`per_key` per cached token) and pays more for each query row past
 the first (`per_key_row`). The latency table gives a first estimate (a table measured
 on a busy machine can be off by a quarter), and the engine's own step timings correct
-it: a least-squares fit with no coefficient below zero, pulled toward the table where the
-steps say little (a batch that never drafts says nothing of `per_key_row`; a request
-alone, one shape of step, tells only its total, shared among the coefficients as the table
-shares it), weighted to the most recent steps so that a device slowing down mid-run is
-followed (restarted from the latest steps when they all miss the same way: a device
-several times slower), and robust to the odd stalled step.
+it: a least-squares fit with no coefficient below zero, pulled toward the table's
+proportions, at whatever scale the steps run, where they say little (a batch that never
+drafts says nothing of `per_key_row`; a request alone, one shape of step, tells only its
+total: the table is scaled to it), weighted to the most recent steps so that a device
+slowing down mid-run is followed (restarted from the latest steps when they all miss the
+same way: a device several times slower), and robust to steps stalled by a neighbour.
 """
 
 from __future__ import annotations
