@@ -246,7 +246,8 @@ def run_batch(
     ]
     searched, postponed = engine.num_batch_searches(strategy), engine.num_batch_postponed(strategy)
     started = time.perf_counter()
-    results = decode_batch(engine.model, requests)
+    # The engine's step-cost fit, shared by its batches as a replica's are (a request alone plans from it).
+    results = decode_batch(engine.model, requests, engine.step_cost.budget())
     decode_s = time.perf_counter() - started
     for request in requests:  # a live slot and its pool refer to each other: released, the pool goes at once
         pool.release(request.cache)

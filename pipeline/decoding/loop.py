@@ -98,15 +98,19 @@ def decode(
     return request.result()
 
 
-def decode_batch(model: SublayerModel, requests: Sequence[DecodingRequest]) -> list[GenerationResult]:
+def decode_batch(
+    model: SublayerModel, requests: Sequence[DecodingRequest], budget: DraftBudget | None = None
+) -> list[GenerationResult]:
     """Decode several prefilled requests together. Each step every running request proposes
     its own draft (of its own length, or none; drafting forwards shared, propose_together),
     one forward verifies all of them — the linears once over all rows, attention per request
     or, for slots of one KV pool, once for all — and each accepts by its own rule,
     so a request's tokens are those it would decode alone (up to the batch's rounding: a
     different token only where its top-2 logits nearly tie). A request leaves at EOS or its
-    limit; the others go on."""
-    budget = DraftBudget()
+    limit; the others go on. `budget`: the draft budget and step-cost fit (an engine's, which
+    its batches share; default: the batch's own, from the drafters' table)."""
+    budget = budget if budget is not None else DraftBudget()
+    seen_before, changes_before = (0, 0) if budget.cost is None else (budget.cost.num_observed, budget.cost.num_changes)
     while running := [request for request in requests if request.running]:
         plan_together(model, running, budget)
         drafts = propose_together(model, running)
@@ -121,11 +125,12 @@ def decode_batch(model: SublayerModel, requests: Sequence[DecodingRequest]) -> l
         for request, draft, logits in zip(running, drafts, outputs):
             request.accept(draft, logits)
     results = [request.result() for request in requests]
-    errors = budget.cost.prediction_errors(after=CALIBRATION_STEPS) if budget.cost is not None else None
+    after = max(seen_before, CALIBRATION_STEPS)
+    errors = budget.cost.prediction_errors(after=after) if budget.cost is not None else None
     if errors is not None:  # the batch's, reported with each of its requests
         for result in results:
             result.extra["step_error_table"], result.extra["step_error_online"] = errors
-            result.extra["step_fit_restarts"] = budget.cost.num_changes
+            result.extra["step_fit_restarts"] = budget.cost.num_changes - changes_before
     return results
 
 
