@@ -197,6 +197,13 @@ def softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.softmax(scores.float(), dim=-1).to(dtype)
 
 
+@functools.lru_cache(maxsize=8)  # every layer of a forward asks for the same one
+def keys_seen(start: int, num_tokens: int) -> torch.Tensor:
+    """[1, T] int32: how many keys each query at [start, start + T) sees (the kernel's limits).
+    Cached: callers only read it."""
+    return torch.arange(start + 1, start + num_tokens + 1, dtype=torch.int32).view(1, num_tokens)
+
+
 def kernel_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, num_kv_heads: int
 ) -> torch.Tensor:
@@ -206,8 +213,7 @@ def kernel_attention(
     num_tokens, num_heads, head_dim = q.shape
     groups = num_heads // num_kv_heads
     rows = q.view(num_tokens, num_kv_heads, groups, head_dim).transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)
-    seen = torch.arange(start + 1, start + num_tokens + 1, dtype=torch.int32).view(1, num_tokens)
-    out = short_attention(rows, keys, values, seen)  # [1, kv_heads, T * groups, head_dim]
+    out = short_attention(rows, keys, values, keys_seen(start, num_tokens))  # [1, kv_heads, T * groups, head_dim]
     return out.view(num_kv_heads, num_tokens, groups, head_dim).transpose(0, 1).reshape(num_tokens, -1)
 
 

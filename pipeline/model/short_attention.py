@@ -8,6 +8,10 @@ memory between them. The kernel reads each key and value once, computes the scor
 every query row of the head while the key is in cache, and fuses the softmax and the sum
 of values (flash decoding: chunks of keys in parallel, combined exactly).
 
+The same build carries the mode's RMS norm of fp32 rows (`csrc/row_norm.cpp`,
+`rms_norm_rows`): a decode step norms one row 61 times, where PyTorch's dispatch costs
+more than the arithmetic.
+
 Only x86 CPUs with AVX2 and FMA take it (`torch.backends.cpu.get_cpu_capability()`), built
 16 floats wide where that says AVX-512, and only in the `fp16w` mode: `fp32` stays the
 exact reference of transformers' own math.
@@ -29,7 +33,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "short_attention.cpp"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("short_attention.cpp", "row_norm.cpp"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
 AVX512_FLAGS = ("-mavx512f", "-mavx512vl")  # where the CPU has AVX-512: the 16-wide build
 HEAD_DIMS = (16, 32, 64, 128)
@@ -78,12 +82,12 @@ def build(flags: tuple[str, ...]) -> ModuleType | None:
     warning, where it cannot be built."""
     from torch.utils import cpp_extension
 
-    directory = build_dir(SOURCE.read_bytes(), flags)
+    directory = build_dir(b"\0".join(source.read_bytes() for source in SOURCES), flags)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         module = cpp_extension.load(
             name=f"knapspec_{directory.name.replace('-', '_')}",
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             extra_cflags=list(flags),
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
@@ -109,3 +113,12 @@ def short_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, l
     if kernel is None:
         raise RuntimeError("the short-block attention kernel is not available on this machine")
     return kernel.short_attention(q.contiguous(), keys, values, limits)
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm of x's fp32 rows [..., d] by `weight` [d], as Hugging Face's LlamaRMSNorm
+    (its rounding differs by the order of the sum); each row's bits depend on that row alone."""
+    kernel = load_kernel()
+    if kernel is None:
+        raise RuntimeError("the fp16w mode's CPU kernels are not available on this machine")
+    return kernel.rms_norm_rows(x, weight, eps)

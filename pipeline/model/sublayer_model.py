@@ -46,7 +46,7 @@ from pipeline.model.packing import (
     packed_logits,
     pooled_rows,
 )
-from pipeline.model.short_attention import KERNEL_ROUTE, MATMUL_ROUTE, kernel_applies
+from pipeline.model.short_attention import KERNEL_ROUTE, MATMUL_ROUTE, kernel_applies, rms_norm_rows
 from pipeline.model.spec import ModelSpec
 from pipeline.model.weights import LayerWeights, read_weights
 
@@ -340,6 +340,8 @@ class SublayerModel:
     # -------------------------------------------------------------- sublayers
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._kernel:  # (fp16w: fp32 rows)
+            return rms_norm_rows(x, weight, self.spec.rms_norm_eps)
         return rms_norm(x, weight, self.spec.rms_norm_eps)
 
     def _mlp(self, layer: LayerWeights, h: torch.Tensor, ranges=None) -> torch.Tensor:

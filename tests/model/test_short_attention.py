@@ -122,3 +122,29 @@ def test_the_switch_turns_the_kernel_off_for_models_built_after_it():
     assert sa.kernel_applies(True, torch.device("cpu"), 64)
     assert not sa.kernel_applies(False, torch.device("cpu"), 64)  # fp32 stays the reference
     assert not sa.kernel_applies(True, torch.device("cpu"), 48)
+
+
+@pytest.fixture(params=BUILDS, ids=lambda flags: "avx512" if "-mavx512f" in flags else "avx2", scope="module")
+def row_norm(request):
+    return sa.build(request.param).rms_norm_rows
+
+
+def test_the_row_norm_is_llamas_rms_norm_and_each_rows_bits_are_its_own(row_norm):
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(576, generator=generator)
+    x = torch.randn(4100, 576, generator=generator) * 3  # a prefill chunk's rows: split among threads
+    got = row_norm(x, weight, 1e-5)
+    x64 = x.double()
+    expected = weight.double() * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(got.double(), expected, rtol=2e-6, atol=2e-6)
+    for r in (0, 63, 64, 2049, 4099):  # alone, a row gets the bits it got among 4,100
+        assert torch.equal(row_norm(x[r : r + 1], weight, 1e-5), got[r : r + 1])
+    heads = x[:8].view(8, 9, 64)[:, 2:5]  # a strided view (Qwen3's norm of query heads)
+    assert torch.equal(row_norm(heads, weight[:64].contiguous(), 1e-5), row_norm(heads.contiguous(), weight[:64], 1e-5))
+
+
+def test_the_row_norm_refuses_what_it_cannot_norm(row_norm):
+    with pytest.raises(RuntimeError, match="fp32"):
+        row_norm(torch.ones(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="last size"):
+        row_norm(torch.ones(2, 8), torch.ones(6), 1e-5)

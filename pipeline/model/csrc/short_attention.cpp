@@ -383,4 +383,9 @@ torch::Tensor short_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor
   }
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("short_attention", &short_attention); }
+torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, double eps);  // row_norm.cpp
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("short_attention", &short_attention);
+  m.def("rms_norm_rows", &rms_norm_rows);
+}
