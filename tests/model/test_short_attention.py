@@ -139,6 +139,9 @@ def test_the_row_norm_is_llamas_rms_norm_and_each_rows_bits_are_its_own(row_norm
     torch.testing.assert_close(got.double(), expected, rtol=2e-6, atol=2e-6)
     for r in (0, 63, 64, 2049, 4099):  # alone, a row gets the bits it got among 4,100
         assert torch.equal(row_norm(x[r : r + 1], weight, 1e-5), got[r : r + 1])
+        shifted = torch.empty(577)  # and wherever it lies in memory (no alignment regroups its sum)
+        shifted[1:] = x[r]
+        assert torch.equal(row_norm(shifted[1:].view(1, 576), weight, 1e-5), got[r : r + 1])
     heads = x[:8].view(8, 9, 64)[:, 2:5]  # a strided view (Qwen3's norm of query heads)
     assert torch.equal(row_norm(heads, weight[:64].contiguous(), 1e-5), row_norm(heads.contiguous(), weight[:64], 1e-5))
 

@@ -3,8 +3,8 @@
 // pool, together ~25 µs a call against ~1 µs of arithmetic (~1.4 ms of a 23 ms SmolLM2 step).
 //
 // As Hugging Face's LlamaRMSNorm: the row times 1 / sqrt(mean of squares + eps), then the
-// weight times that. Each row's result depends on that row alone (its sum in a fixed order
-// for one build), so a request gives the same bits alone and inside a batch.
+// weight times that. Each row's result depends on that row alone (its sum in an order the
+// source fixes), so a request gives the same bits alone and inside a batch.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -16,13 +16,21 @@ namespace {
 // Rows per task where a prefill chunk norms thousands: enough work to pay for a thread.
 constexpr int64_t kRowsPerTask = 64;
 
+// Partial sums per lane, added up in a fixed order: the bits depend on the row alone, not on
+// its address (a vectorized reduction may peel a few elements to align, and so regroup).
+constexpr int64_t kLanes = 16;
+
 void norm_row(const float* x, const float* weight, float* out, int64_t d, float eps) {
+  float partial[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= d; j += kLanes) {
+    for (int64_t lane = 0; lane < kLanes; ++lane) partial[lane] += x[j + lane] * x[j + lane];
+  }
   float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < d; ++j) sum += x[j] * x[j];
+  for (; j < d; ++j) sum += x[j] * x[j];
+  for (int64_t lane = 0; lane < kLanes; ++lane) sum += partial[lane];
   const float inverse = 1.0f / std::sqrt(sum / static_cast<float>(d) + eps);
-#pragma omp simd
-  for (int64_t j = 0; j < d; ++j) out[j] = weight[j] * (x[j] * inverse);
+  for (j = 0; j < d; ++j) out[j] = weight[j] * (x[j] * inverse);
 }
 
 }  // namespace
