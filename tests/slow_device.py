@@ -40,9 +40,9 @@ def _delayed(call, delay_s: float):
 
 
 def slow_down(model: SublayerModel, delay_s: float, sublayers: tuple[str, ...] = ("attention", "mlp")) -> None:
-    """Make every call of `model`'s `sublayers` wait `delay_s` first. A batched forward calls its
-    MLPs once a layer, but its attention once a layer or once per request as the batch's caches
-    fall: slowing the MLPs alone gives every step of a batch one cost."""
+    """Make every call of `model`'s `sublayers` wait `delay_s` first. A batched forward runs its
+    attention outside `_attention` (one request's forward, a draft's or a search's, through it):
+    slowing the MLPs alone slows every forward alike."""
     if delay_s <= 0:
         return
     for name in sublayers:
