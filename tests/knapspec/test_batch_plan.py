@@ -387,12 +387,13 @@ def test_a_request_alone_plans_from_its_timed_steps_at_its_own_checks(tiny_deep_
         verify_ratios=tuple(1.0 + 0.05 * k for k in range(11)),
         num_layers=model.spec.num_layers,
     )
-    planner, drafter = planned_batch(model, fast, reoptimize_every=16)
+    _, drafter = planned_batch(model, fast, reoptimize_every=16)
     slow_down(model, 5 * MS, sublayers=("mlp",))
     prompt, limit = repeating_prompt(30, 0), 48
     request = drafter()
     budget = DraftBudget()
-    result = decode(model, prefill(model, prompt, limit), DecodeConfig(limit), SamplingParams(), request, prompt.tolist(), budget)
+    prefilled = prefill(model, prompt, limit)
+    result = decode(model, prefilled, DecodeConfig(limit), SamplingParams(), request, prompt.tolist(), budget)
     expected = decode(model, prefill(model, prompt, limit), DecodeConfig(limit), SamplingParams()).token_ids
     assert_same_or_near_tie(model, prompt, result.token_ids, expected)
     assert request.table is fast and request.latency is not fast
