@@ -109,16 +109,17 @@ def short_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, l
     """q [S, kv_heads, T * groups, head_dim] (fp32, already scaled; each KV head's rows by
     position, then query head) over keys/values [S * kv_heads, n, head_dim]; position t of
     slot s sees its keys [0, limits[s, t]) (int32 [S, T]). Returns q's shape."""
-    kernel = load_kernel()
-    if kernel is None:
-        raise RuntimeError("the short-block attention kernel is not available on this machine")
-    return kernel.short_attention(q.contiguous(), keys, values, limits)
+    return _loaded().short_attention(q.contiguous(), keys, values, limits)
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS norm of x's fp32 rows [..., d] by `weight` [d], as Hugging Face's LlamaRMSNorm
     (its rounding differs by the order of the sum); each row's bits depend on that row alone."""
+    return _loaded().rms_norm_rows(x, weight, eps)
+
+
+def _loaded() -> ModuleType:
     kernel = load_kernel()
     if kernel is None:
         raise RuntimeError("the fp16w mode's CPU kernels are not available on this machine")
-    return kernel.rms_norm_rows(x, weight, eps)
+    return kernel
