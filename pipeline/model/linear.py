@@ -5,8 +5,10 @@
 activations and accumulation in fp32: on CPU a 1-row product is memory bound, so
 halving the weight bytes is what makes a decode step fast, and FBGEMM's fp16
 kernel costs nearly the same for 2-4 rows as for one, which is what makes
-verifying a speculative draft cheap. Prefill chunks are compute bound and FBGEMM
-fp16 is slower than fp32 there, so `fp16w` keeps an fp32 copy for them.
+verifying a speculative draft cheap. Where the CPU has AVX-512 the project's own
+kernel (short_attention.linear_kernel) replaces FBGEMM's: the same bits, ~0.75x the time.
+Prefill chunks are compute bound and the fp16 kernels are slower than fp32 there, so
+`fp16w` keeps an fp32 copy for them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.errors import ConfigError
+from pipeline.model import short_attention
 
 
 class ComputeMode(str, enum.Enum):
@@ -66,16 +69,20 @@ def fp16w_available() -> bool:
 class Linear:
     """y = x W^T + b for x of shape [rows, in_features], in one compute mode."""
 
-    __slots__ = ("weight", "bias", "mode", "_packed")
+    __slots__ = ("weight", "bias", "mode", "_packed", "_kernel")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: ComputeMode) -> None:
         self.mode = mode
         dtype = mode.activation_dtype
         self.weight = weight.to(dtype).contiguous()  # [out, in]
         self.bias = None if bias is None else bias.to(dtype).contiguous()
-        self._packed = None
+        self._packed = self._kernel = None
         if mode is ComputeMode.FP16W:
-            self._packed = torch.ops.quantized.linear_prepack_fp16(self.weight, self.bias)
+            self._kernel = short_attention.linear_kernel()
+            if self._kernel is not None:
+                self._packed = self._kernel.fp16_linear_pack(self.weight)
+            else:
+                self._packed = torch.ops.quantized.linear_prepack_fp16(self.weight, self.bias)
 
     @property
     def out_features(self) -> int:
@@ -88,6 +95,8 @@ class Linear:
         ranges fill one tensor instead of being concatenated (the copy of a prefill chunk's rows
         cost 5-10% of its step); the same kernel as without it, so the same bits."""
         if self._packed is not None and (x.shape[0] <= FP16W_MAX_ROWS if packed is None else packed):
+            if self._kernel is not None:
+                return self._kernel.fp16_linear(x, self._packed, self.bias, self.out_features, out)
             y = torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
             return y if out is None else out.copy_(y)
         if out is None:

@@ -151,3 +151,56 @@ def test_the_row_norm_refuses_what_it_cannot_norm(row_norm):
         row_norm(torch.ones(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)
     with pytest.raises(RuntimeError, match="last size"):
         row_norm(torch.ones(2, 8), torch.ones(6), 1e-5)
+
+
+needs_linear_kernel = pytest.mark.skipif(sa.linear_kernel() is None, reason="the fp16 linears need an AVX-512 build")
+
+
+@needs_linear_kernel
+@pytest.mark.parametrize("shape", [(576, 576), (960, 576), (100, 40), (7, 3)])  # whole panels, a ragged last one
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_fp16_linear_is_fbgemms_and_each_rows_bits_are_its_own(shape, with_bias):
+    kernel = sa.linear_kernel()
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(shape, generator=generator) * 0.05
+    bias = torch.randn(shape[0], generator=generator) if with_bias else None
+    packed = kernel.fp16_linear_pack(weight)
+    fbgemm = torch.ops.quantized.linear_prepack_fp16(weight, bias)
+    x = torch.randn(32, shape[1], generator=generator)
+    got = kernel.fp16_linear(x, packed, bias, shape[0], None)
+    expected = x.double() @ weight.half().double().t() + (0 if bias is None else bias.double())
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    # The same bits as FBGEMM's fp16 kernel (the mode ran that alone before: stored tables and
+    # outputs keep their meaning), at every row count of a decode or verify block.
+    for rows in (1, 2, 5, 8, 9, 17, 32):
+        assert torch.equal(got[:rows], torch.ops.quantized.linear_dynamic_fp16(x[:rows], fbgemm))
+    for r in (0, 7, 8, 31):  # a row alone, or among others at another place: its own bits
+        assert torch.equal(kernel.fp16_linear(x[r : r + 1], packed, bias, shape[0], None), got[r : r + 1])
+        assert torch.equal(kernel.fp16_linear(x[[r, 3, 4]], packed, bias, shape[0], None)[:1], got[r : r + 1])
+    out = torch.full((32, shape[0]), float("nan"))
+    assert kernel.fp16_linear(x, packed, bias, shape[0], out) is out and torch.equal(out, got)
+
+
+@needs_linear_kernel
+def test_the_fp16_linear_refuses_what_it_cannot_multiply():
+    kernel = sa.linear_kernel()
+    packed = kernel.fp16_linear_pack(torch.ones(48, 8))
+    with pytest.raises(RuntimeError, match="fp32"):
+        kernel.fp16_linear(torch.ones(2, 8, dtype=torch.float64), packed, None, 48, None)
+    with pytest.raises(RuntimeError, match="packed"):
+        kernel.fp16_linear(torch.ones(2, 6), packed, None, 48, None)
+    with pytest.raises(RuntimeError, match="out"):
+        kernel.fp16_linear(torch.ones(2, 8), packed, None, 48, torch.empty(3, 48))
+
+
+@needs_linear_kernel
+def test_a_fp16w_linear_takes_the_kernel_for_short_blocks_and_the_fp32_copy_for_long_ones():
+    from pipeline.model.linear import FP16W_MAX_ROWS, ComputeMode, Linear
+
+    generator = torch.Generator().manual_seed(6)
+    weight, bias = torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator)
+    linear = Linear(weight, bias, ComputeMode.FP16W)
+    x = torch.randn(FP16W_MAX_ROWS + 1, 64, generator=generator)
+    assert torch.equal(linear(x[:4]), sa.linear_kernel().fp16_linear(x[:4], linear._packed, bias, 96, None))
+    torch.testing.assert_close(linear(x), x @ weight.t() + bias, rtol=1e-5, atol=1e-5)  # fp32 weights
+    assert not torch.equal(linear(x)[:4], linear(x[:4]))  # (fp16 weights round differently)

@@ -384,8 +384,17 @@ torch::Tensor short_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor
 }
 
 torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, double eps);  // row_norm.cpp
+// fp16_linear.cpp
+bool fp16_linear_available();
+torch::Tensor fp16_linear_pack(const torch::Tensor& weight);
+torch::Tensor fp16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                          int64_t out_features, const c10::optional<torch::Tensor>& out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("short_attention", &short_attention);
   m.def("rms_norm_rows", &rms_norm_rows);
+  m.def("fp16_linear_available", &fp16_linear_available);
+  m.def("fp16_linear_pack", &fp16_linear_pack);
+  m.def("fp16_linear", &fp16_linear, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"),
+        pybind11::arg("out_features"), pybind11::arg("out"));
 }
