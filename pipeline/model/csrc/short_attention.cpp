@@ -109,7 +109,9 @@ inline __m256 tile_sums(const __m256* a0, const __m256* a1) {
 // (by four keys with AVX-512, by two with AVX2); q holds whole tiles of rows (zero-padded).
 // Keys past the last are the last again: a key's score never depends on its neighbours.
 // `ahead` (or null): the next chunk's keys, fetched into cache while this one is scored, so a
-// one-row decode at long context streams memory instead of waiting on each chunk's first miss.
+// one-row decode at long context streams memory instead of waiting on each chunk's first miss
+// (in both builds: the AVX-512 one without it took a 1-row decode's attention over 30 layers
+// at 4k context ~9% longer, at 1k ~30%, on a 2-core Xeon).
 template <int64_t D>
 void tile_scores(const float* q, const float* keys, int64_t key_stride, int64_t m0, int64_t rows,
                  int64_t num_keys, float* scores, const float* ahead) {
@@ -118,6 +120,10 @@ void tile_scores(const float* q, const float* keys, int64_t key_stride, int64_t 
   constexpr int64_t kKeys = 4;
   alignas(64) float sums[16];
   for (int64_t j = 0; j < num_keys; j += kKeys) {
+    if (ahead) {
+      for (int64_t t = 0; t < kKeys; ++t)
+        for (int64_t l = 0; l < D; l += 16) _mm_prefetch(reinterpret_cast<const char*>(ahead + (j + t) * key_stride + l), _MM_HINT_T0);
+    }
     const float* k[kKeys];
     for (int64_t t = 0; t < kKeys; ++t) k[t] = keys + std::min(j + t, num_keys - 1) * key_stride;
     __m512 a[kRowTile * kKeys];
@@ -239,6 +245,8 @@ void tile_values(const float* scores, int64_t m0, int64_t rows, int64_t reach, c
     for (int64_t i = 0; i < kRowTile; ++i)
       for (int64_t c = 0; c < kVecs; ++c) acc[i][c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < reach; ++j) {
+      if (ahead && b == 0)
+        for (int64_t l = 0; l < D; l += 16) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * value_stride + l), _MM_HINT_T0);
       const float* v = values + j * value_stride + b;
       __m512 x[kVecs];
       for (int64_t c = 0; c < kVecs; ++c) x[c] = _mm512_loadu_ps(v + 16 * c);
