@@ -11,7 +11,7 @@ of values (flash decoding: chunks of keys in parallel, combined exactly).
 The same build carries the mode's RMS norm of fp32 rows (`csrc/row_norm.cpp`,
 `rms_norm_rows`): a decode step norms one row 61 times, where PyTorch's dispatch costs
 more than the arithmetic. And, where the CPU has AVX-512, the mode's linears for decode and
-verify blocks (`csrc/fp16_linear.cpp`, `linear_kernel`): fp16 weights, fp32 rows, 0.6-0.8x the
+verify blocks (`csrc/fp16_linear.cpp`, `linear_kernel`): fp16 weights, fp32 rows, 0.5-0.7x the
 time of FBGEMM's fp16 kernel at 1 to 32 rows and bit-equal to it on the CPUs measured.
 
 Only x86 CPUs with AVX2 and FMA take it (`torch.backends.cpu.get_cpu_capability()`), built

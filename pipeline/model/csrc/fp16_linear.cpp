@@ -2,10 +2,10 @@
 // linears for decode and verify blocks (up to a few dozen rows), where CPUs with AVX-512 have it.
 //
 // FBGEMM's fp16 kernel, which the mode used alone before, ran SmolLM2's linears at ~15 GB/s of
-// weights for one row and ~40% of the cores' fp32 FMA peak for 16 rows on a 2-core Xeon. Here
-// each thread streams its own run of panels (48 output columns, K-major) with the weights asked
-// for ahead, converts a panel row of weights once per block of up to 8 input rows and feeds 24
-// independent FMA chains: over a whole model's weights, 0.6-0.8x FBGEMM's time at 1 to 32 rows.
+// weights for one row, and its time for 16 rows was about that of memory plus that of the
+// FMAs. Here the weights are slices of 16 output columns, K-major, each streamed once with the
+// weights asked for ahead: up to 8 rows take three slices at once (a converted weight serves
+// every row), more rows one slice at a time, so no slice is read twice for 9 to 16 rows.
 //
 // Every output element is one FMA chain over k in ascending order, then the bias: its bits
 // depend on its row and column alone, not on how many rows came with it or where they sat,
@@ -17,49 +17,90 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
+#include <utility>
 
 namespace {
 
-constexpr int64_t kPanel = 48;   // output columns per panel: three 16-float registers
-constexpr int kBlockRows = 8;    // input rows per pass: 24 accumulators, 3 weights, 1 broadcast
-// How far ahead of its reads a pass asks for weights: the hardware prefetcher alone left a
-// 1-row product at ~0.75 of what the memory gives and did not overlap loads with the FMAs of
-// 8-16 rows (their time was the sum of both); a few KB ahead (~40 k's of a panel, past the
-// latency of memory at its bandwidth per core) took a whole model's linears ~25-30% less time.
+constexpr int64_t kSlice = 16;   // output columns per slice: one 16-float register, K-major
+constexpr int64_t kPanel = 48;   // slices are padded to whole panels of three (a block of few rows takes three)
+constexpr int kFewRows = 8;      // up to this many rows, three slices at once: 24 accumulators
+constexpr int kManyRows = 16;    // more rows, one slice at a time, up to this many rows per pass
+// How far ahead of its reads a stream of weights asks for them: the hardware prefetcher alone
+// left a 1-row product at ~0.75 of what the memory gives and did not overlap loads with the
+// FMAs of 8-16 rows (their time was the sum of both); a few KB ahead took a whole model's
+// linears ~25-30% less time.
 constexpr int64_t kPrefetchBytes = 4096;
 
 #ifdef __AVX512F__
+inline __m512 load_slice(const uint16_t* w) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+}
+
+inline __mmask16 columns_mask(int64_t left) {
+  return left >= kSlice ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// R (<= kFewRows) rows times the three slices of a panel: a weight converted once serves R rows.
 template <int R>
-void block(const float* x, int64_t k_size, const uint16_t* w, const float* bias, float* out, int64_t ld,
-           int64_t cols) {
+void few_rows(const float* x, int64_t k_size, const uint16_t* w, const float* bias, float* out, int64_t ld,
+              int64_t cols) {
+  const uint16_t* w1 = w + k_size * kSlice;
+  const uint16_t* w2 = w1 + k_size * kSlice;
   __m512 acc[R][3];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 3; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t k = 0; k < k_size; ++k) {
-    const uint16_t* row = w + k * kPanel;
-    _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);  // past a panel: the next one
-    const __m512 w0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
-    const __m512 w1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16)));
-    const __m512 w2 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32)));
+    if ((k & 1) == 0) {  // a 64-byte line holds two k's of a slice
+      _mm_prefetch(reinterpret_cast<const char*>(w + k * kSlice) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w1 + k * kSlice) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w2 + k * kSlice) + kPrefetchBytes, _MM_HINT_T0);
+    }
+    const __m512 v0 = load_slice(w + k * kSlice), v1 = load_slice(w1 + k * kSlice), v2 = load_slice(w2 + k * kSlice);
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * k_size + k]);
-      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(xv, w2, acc[r][2]);
+      acc[r][0] = _mm512_fmadd_ps(xv, v0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xv, v1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(xv, v2, acc[r][2]);
     }
   }
-  for (int c = 0; c < 3; ++c) {
-    const int64_t left = cols - c * 16;
-    if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    const __m512 b = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, bias + c * 16);
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ld + c * 16, mask, _mm512_add_ps(acc[r][c], b));
+  for (int c = 0; c < 3 && cols > c * kSlice; ++c) {
+    const __mmask16 mask = columns_mask(cols - c * kSlice);
+    const __m512 b = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, bias + c * kSlice);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ld + c * kSlice, mask, _mm512_add_ps(acc[r][c], b));
   }
 }
 
+// R (<= kManyRows) rows times one slice: the slice is read once for all of them, where blocks
+// of eight rows over whole panels read each panel again per block (from cache, but with the
+// memory idle meanwhile: a 9th row cost ~20% of the first eight).
+template <int R>
+void many_rows(const float* x, int64_t k_size, const uint16_t* w, const float* bias, float* out, int64_t ld,
+               int64_t cols) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_size; ++k) {
+    if ((k & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k * kSlice) + kPrefetchBytes, _MM_HINT_T0);
+    const __m512 v = load_slice(w + k * kSlice);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * k_size + k]), v, acc[r]);
+  }
+  const __mmask16 mask = columns_mask(cols);
+  const __m512 b = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, bias);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ld, mask, _mm512_add_ps(acc[r], b));
+}
+
 using BlockFn = void (*)(const float*, int64_t, const uint16_t*, const float*, float*, int64_t, int64_t);
-constexpr BlockFn kBlocks[kBlockRows + 1] = {nullptr,  block<1>, block<2>, block<3>, block<4>,
-                                             block<5>, block<6>, block<7>, block<8>};
+
+template <int... Rs>
+constexpr std::array<BlockFn, sizeof...(Rs) + 1> few_table(std::integer_sequence<int, Rs...>) {
+  return {nullptr, few_rows<Rs + 1>...};
+}
+template <int... Rs>
+constexpr std::array<BlockFn, sizeof...(Rs) + 1> many_table(std::integer_sequence<int, Rs...>) {
+  return {nullptr, many_rows<Rs + 1>...};
+}
+constexpr auto kFew = few_table(std::make_integer_sequence<int, kFewRows>{});
+constexpr auto kMany = many_table(std::make_integer_sequence<int, kManyRows>{});
 #endif
 
 }  // namespace
@@ -75,21 +116,21 @@ bool fp16_linear_available() {
 torch::Tensor fp16_linear_pack(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.is_floating_point(), "weight: [out_features, in_features]");
   const int64_t n = weight.size(0), k = weight.size(1);
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  torch::Tensor padded = torch::zeros({panels * kPanel, k}, weight.options().dtype(torch::kFloat32));
+  const int64_t slices = (n + kPanel - 1) / kPanel * (kPanel / kSlice);
+  torch::Tensor padded = torch::zeros({slices * kSlice, k}, weight.options().dtype(torch::kFloat32));
   padded.narrow(0, 0, n).copy_(weight);
-  // [panels, K, 48]: a panel's weights for one k are 96 contiguous bytes, its k's follow each other.
-  return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous().to(torch::kHalf);
+  // [slices, K, 16]: a slice's weights for one k are 32 contiguous bytes, its k's follow each other.
+  return padded.view({slices, kSlice, k}).transpose(1, 2).contiguous().to(torch::kHalf);
 }
 
 torch::Tensor fp16_linear(const torch::Tensor& x_in, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features, const c10::optional<torch::Tensor>& out_in) {
   TORCH_CHECK(fp16_linear_available(), "fp16_linear needs a build with AVX-512");
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == torch::kFloat32 && x_in.dim() == 2, "x: [rows, in] fp32");
-  TORCH_CHECK(packed.scalar_type() == torch::kHalf && packed.dim() == 3 && packed.size(2) == kPanel &&
-                  packed.size(1) == x_in.size(1) && packed.size(0) * kPanel >= out_features &&
-                  packed.is_contiguous(),
-              "packed: fp16_linear_pack's [panels, in, 48] for x's in_features");
+  TORCH_CHECK(packed.scalar_type() == torch::kHalf && packed.dim() == 3 && packed.size(2) == kSlice &&
+                  packed.size(1) == x_in.size(1) && packed.size(0) * kSlice >= out_features &&
+                  packed.size(0) % (kPanel / kSlice) == 0 && packed.is_contiguous(),
+              "packed: fp16_linear_pack's [slices, in, 16] for x's in_features");
   const torch::Tensor x = x_in.contiguous();
   const int64_t m = x.size(0), k = x.size(1), n = out_features;
   const float* bp = nullptr;
@@ -110,16 +151,26 @@ torch::Tensor fp16_linear(const torch::Tensor& x_in, const torch::Tensor& packed
   const float* xp = x.data_ptr<float>();
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::Half>());
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end && p * kPanel < n; ++p) {
-      const int64_t cols = std::min(kPanel, n - p * kPanel);
-      for (int64_t r = 0; r < m; r += kBlockRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kBlockRows, m - r));
-        kBlocks[rows](xp + r * k, k, wp + p * k * kPanel, bp == nullptr ? nullptr : bp + p * kPanel,
-                      op + r * n + p * kPanel, n, cols);
+  if (m == 0) {
+  } else if (m <= kFewRows) {
+    constexpr int64_t per_panel = kPanel / kSlice;
+    at::parallel_for(0, packed.size(0) / per_panel, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end && p * kPanel < n; ++p) {
+        kFew[m](xp, k, wp + p * per_panel * k * kSlice, bp == nullptr ? nullptr : bp + p * kPanel, op + p * kPanel, n,
+                std::min(kPanel, n - p * kPanel));
       }
-    }
-  });
+    });
+  } else {
+    at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t s = begin; s < end && s * kSlice < n; ++s) {
+        for (int64_t r = 0; r < m; r += kManyRows) {
+          const int64_t rows = std::min<int64_t>(kManyRows, m - r);
+          kMany[rows](xp + r * k, k, wp + s * k * kSlice, bp == nullptr ? nullptr : bp + s * kSlice,
+                      op + r * n + s * kSlice, n, std::min(kSlice, n - s * kSlice));
+        }
+      }
+    });
+  }
 #endif
   return out;
 }
