@@ -91,6 +91,10 @@ class Record:
     skipped_mlp: float | None
     batch_size: int = 1
     speedup_vs_batch1: float | None = None  # against the reference at batch 1
+    # While every request of the batch runs (BatchRun.full_batch_tokens_per_s), and against the
+    # reference's the same way, run by run.
+    full_batch_tokens_per_s: float | None = None
+    full_batch_speedup_vs_ar: float | None = None
     # A batch's step time as predicted before each step (after the first CALIBRATION_STEPS):
     # mean relative error of the latency table's prediction and of the online fit's.
     step_error_table: float | None = None
@@ -204,12 +208,24 @@ class BatchRun:
     prefill_s: float
     searches: list[dict] = field(default_factory=list)  # the batch planner's, in this run
     postponed: int = 0  # its checks that found no time for a search
+    steps: list[tuple[int, int, float]] = field(default_factory=list)  # decode_batch's (running, emitted, seconds)
 
     @property
     def tokens_per_s(self) -> float:
         """Tokens decoded after the prefills, summed over the batch, per second of the batch."""
         decoded = sum(max(len(r.token_ids) - 1, 0) for r in self.results)
         return decoded / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def full_batch_tokens_per_s(self) -> float | None:
+        """Tokens per second of the steps in which every request of the batch ran: the rate a
+        replica keeps while it refills its batch as requests leave. The batch here drains at
+        its end, and requests that speculate leave it unevenly, so its last steps run fewer
+        requests; None where no step was timed (transformers' generate())."""
+        size = len(self.results)
+        full = [(emitted, seconds) for running, emitted, seconds in self.steps if running == size]
+        seconds = sum(s for _, s in full)
+        return sum(e for e, _ in full) / seconds if seconds > 0 else None
 
 
 def run_batch(
@@ -245,16 +261,16 @@ def run_batch(
         for p, f in zip(prompts, prefilled)
     ]
     searched, postponed = engine.num_batch_searches(strategy), engine.num_batch_postponed(strategy)
-    started = time.perf_counter()
+    started, steps = time.perf_counter(), []
     # The engine's step-cost fit, shared by its batches as a replica's are (a request alone plans from it).
-    results = decode_batch(engine.model, requests, engine.step_cost.budget())
+    results = decode_batch(engine.model, requests, engine.step_cost.budget(), steps)
     decode_s = time.perf_counter() - started
     for request in requests:  # a live slot and its pool refer to each other: released, the pool goes at once
         pool.release(request.cache)
     new = engine.num_batch_searches(strategy) - searched
     searches = engine.batch_searches(strategy)[-new:] if new else []
     postponed = engine.num_batch_postponed(strategy) - postponed
-    return BatchRun(results, decode_s, sum(f.seconds for f in prefilled), searches, postponed)
+    return BatchRun(results, decode_s, sum(f.seconds for f in prefilled), searches, postponed, steps)
 
 
 def _alone(
@@ -274,9 +290,12 @@ def batch_record(
     ref_speeds: list[float],
     reference_at_1: float | None,
     alone: list[list[int]],
+    ref_full: list[float | None] = (),
 ) -> Record:
     speeds = [run.tokens_per_s for run in runs]
     ratios = [s / ref for s, ref in zip(speeds, ref_speeds) if ref > 0]
+    full = [run.full_batch_tokens_per_s for run in runs]
+    full_ratios = [f / ref for f, ref in zip(full, ref_full) if f is not None and ref]
     results = [r for run in runs for r in run.results]
     stats = [GenerationStats.total(r.stats for r in run.results) for run in runs]
     first = runs[0].results[0]
@@ -300,6 +319,8 @@ def batch_record(
         skipped_mlp=_median_extra(results, "mean_skipped_mlp"),
         batch_size=size,
         speedup_vs_batch1=statistics.median(speeds) / reference_at_1 if reference_at_1 else None,
+        full_batch_tokens_per_s=_median_of([f for f in full if f is not None]),
+        full_batch_speedup_vs_ar=_median_of(full_ratios),
         step_error_table=_median_extra(results, "step_error_table"),
         step_error_online=_median_extra(results, "step_error_online"),
         step_fit_restarts=_median_extra(results, "step_fit_restarts"),
@@ -463,11 +484,14 @@ def main(argv: list[str] | None = None) -> int:
                             doc_id, prompts[0].numel(), size, name, dtype, repeat, run.tokens_per_s,
                         )  # fmt: skip
                 ref_speeds = [r.tokens_per_s for r in runs[reference]]
+                ref_full = [r.full_batch_tokens_per_s for r in runs[reference]]
                 if size == batch_sizes[0]:
                     reference_at_1 = statistics.median(ref_speeds) if size == 1 else None
                 for (name, dtype), batch_runs in runs.items():
                     records.append(
-                        batch_record(name, dtype, doc_id, size, batch_runs, ref_speeds, reference_at_1, alone[dtype])
+                        batch_record(
+                            name, dtype, doc_id, size, batch_runs, ref_speeds, reference_at_1, alone[dtype], ref_full
+                        )
                     )
                 if size > 1:
                     costs = batch_verify_costs(engines[reference[1]], prompts[:size], prefilled[reference[1]][:size])
@@ -648,18 +672,24 @@ def format_batches(records: list[Record], reference: tuple[str, str]) -> str:
         groups.setdefault((f"{r.strategy}:{r.dtype}", length_bucket(r.context_tokens), r.batch_size), []).append(r)
     lines = [
         f"Decode throughput summed over the batch (geometric mean over documents); vs {reference[0]}:{reference[1]} "
-        "at the same batch, and at batch 1:",
+        "at the same batch, and at batch 1; and over the steps in which the whole batch ran (a replica refills "
+        "its batch; this one drains at its end), against the reference's the same way:",
         "",
-        "| strategy | context | batch | tok/s | vs ar, same batch | vs ar at batch 1 | same tokens as ar alone |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| strategy | context | batch | tok/s | vs ar, same batch | vs ar at batch 1 | full batch: tok/s | vs ar "
+        "| same tokens as ar alone |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for (label, length, size), rows in sorted(groups.items()):
         vs_ar = [r.speedup_vs_ar for r in rows if r.speedup_vs_ar]
         vs_1 = [r.speedup_vs_batch1 for r in rows if r.speedup_vs_batch1]
+        full = [r.full_batch_tokens_per_s for r in rows if r.full_batch_tokens_per_s]
+        full_vs_ar = [r.full_batch_speedup_vs_ar for r in rows if r.full_batch_speedup_vs_ar]
         lines.append(
             f"| {label} | ~{length:,} | {size} | {statistics.geometric_mean([r.tokens_per_s for r in rows]):.1f} "
             f"| {statistics.geometric_mean(vs_ar):.2f}× | "
             + (f"{statistics.geometric_mean(vs_1):.2f}×" if vs_1 else "")
+            + (f" | {statistics.geometric_mean(full):.1f}" if len(full) == len(rows) else " | ")
+            + (f" | {statistics.geometric_mean(full_vs_ar):.2f}×" if len(full_vs_ar) == len(rows) else " | ")
             + f" | {'yes' if all(r.tokens_equal_ar for r in rows) else 'NO'} |"
         )
     return "\n".join(lines)

@@ -99,7 +99,10 @@ def decode(
 
 
 def decode_batch(
-    model: SublayerModel, requests: Sequence[DecodingRequest], budget: DraftBudget | None = None
+    model: SublayerModel,
+    requests: Sequence[DecodingRequest],
+    budget: DraftBudget | None = None,
+    steps: list[tuple[int, int, float]] | None = None,
 ) -> list[GenerationResult]:
     """Decode several prefilled requests together. Each step every running request proposes
     its own draft (of its own length, or none; drafting forwards shared, propose_together),
@@ -108,10 +111,12 @@ def decode_batch(
     so a request's tokens are those it would decode alone (up to the batch's rounding: a
     different token only where its top-2 logits nearly tie). A request leaves at EOS or its
     limit; the others go on. `budget`: the draft budget and step-cost fit (an engine's, which
-    its batches share; default: the batch's own, from the drafters' table)."""
+    its batches share; default: the batch's own, from the drafters' table). `steps`, if given,
+    gets each step's (requests running, tokens they emitted, seconds of the whole step)."""
     budget = budget if budget is not None else DraftBudget()
     seen_before, changes_before = (0, 0) if budget.cost is None else (budget.cost.num_observed, budget.cost.num_changes)
     while running := [request for request in requests if request.running]:
+        step_started, emitted = time.perf_counter(), sum(len(r.output) for r in running)
         plan_together(model, running, budget)
         drafts = propose_together(model, running)
         for draft in drafts:
@@ -124,6 +129,9 @@ def decode_batch(
         budget.observe(running, drafts, time.perf_counter() - started)
         for request, draft, logits in zip(running, drafts, outputs):
             request.accept(draft, logits)
+        if steps is not None:
+            emitted = sum(len(r.output) for r in running) - emitted
+            steps.append((len(running), emitted, time.perf_counter() - step_started))
     results = [request.result() for request in requests]
     after = max(seen_before, CALIBRATION_STEPS)
     errors = budget.cost.prediction_errors(after=after) if budget.cost is not None else None

@@ -62,6 +62,19 @@ def test_a_batch_search_counts_against_the_batch_decode_time():
     assert benchmark.search_share(benchmark.BatchRun([result(), result()], decode_s=5.0, prefill_s=1.0)) is None
 
 
+def test_the_full_batch_rate_counts_only_the_steps_the_whole_batch_ran():
+    from pipeline.decoding.loop import GenerationResult
+    from pipeline.decoding.stats import GenerationStats
+
+    benchmark = load_job("benchmark.py", "benchmark_script")
+    results = [GenerationResult([1] * 9, GenerationStats(), "length") for _ in range(3)]
+    # Three requests: two steps of all three (6 and 9 tokens), then one left alone at a slower rate.
+    run = benchmark.BatchRun(results, decode_s=3.0, prefill_s=1.0, steps=[(3, 6, 0.5), (3, 9, 0.5), (1, 2, 2.0)])
+    assert run.tokens_per_s == pytest.approx(24 / 3.0)
+    assert run.full_batch_tokens_per_s == pytest.approx(15 / 1.0)
+    assert benchmark.BatchRun(results, decode_s=3.0, prefill_s=1.0).full_batch_tokens_per_s is None  # untimed steps
+
+
 def record(benchmark, strategy, context, speedup, predicted=None, measured=10.0, share=None, equal=True):
     return benchmark.Record(
         strategy=strategy, dtype="fp16w", doc_id="d", context_tokens=context, new_tokens=64,
@@ -153,6 +166,8 @@ def test_benchmark_across_batch_sizes(tmp_path):
     assert planned["batch_searches"] + planned["batch_postponed"] >= 1 and planned["step_error_online"] is not None
     assert records[("knapspec", 1)]["batch_searches"] is None
     assert records[("ar", 3)]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert records[("ar", 3)]["full_batch_speedup_vs_ar"] == pytest.approx(1.0)
+    assert records[("lookup", 3)]["full_batch_tokens_per_s"] > 0 and records[("hf", 3)]["full_batch_tokens_per_s"] is None
     assert records[("ar", 1)]["speedup_vs_batch1"] == pytest.approx(1.0)
     assert records[("ar", 3)]["speedup_vs_batch1"] > 0
     for (name, _), r in records.items():
