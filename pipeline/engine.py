@@ -27,7 +27,7 @@ from pipeline.errors import ConfigError
 from pipeline.knapspec.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter
 from pipeline.knapspec.batch_plan import BatchPlanner
 from pipeline.knapspec.drafter import KnapSpecDrafter
-from pipeline.knapspec.hybrid import CopyOdds, KnapSpecLookupDrafter
+from pipeline.knapspec.hybrid import KnapSpecLookupDrafter
 from pipeline.knapspec.latency import LatencyModel
 from pipeline.knapspec.replanning import KnapSpecConfig, SearchHistory
 from pipeline.model import checkpoint
@@ -73,13 +73,7 @@ def _knapspec(coupled: bool) -> Callable[[Engine, StrategyConfig], Drafter]:
 
 def _knapspec_lookup(engine: Engine, strategy: StrategyConfig) -> Drafter:
     config = KnapSpecConfig(max_draft=strategy.max_draft)
-    drafter = KnapSpecLookupDrafter(
-        engine.latency,
-        config,
-        PromptLookupDrafter(),
-        engine.search_history(strategy.name),
-        engine.copy_odds(strategy.name),
-    )
+    drafter = KnapSpecLookupDrafter(engine.latency, config, PromptLookupDrafter(), engine.search_history(strategy.name))
     drafter.knapspec.batch_planner = engine.batch_planner(strategy.name, config)
     return drafter
 
@@ -182,7 +176,6 @@ class Engine:
         # Per strategy: what earlier requests' searches concluded on this model and device.
         self._search_history = {name: SearchHistory() for name in SEARCHING_STRATEGIES}
         self._batch_planners: dict[tuple[str, KnapSpecConfig], BatchPlanner] = {}
-        self._copy_odds: dict[str, CopyOdds] = {}
         self._calibrated = False  # the latency table came from the calibrator (its corrections are ours to record)
         self._step_cost = DeviceStepCost(self._record_step_cost)
         logger.info("Loaded %s (%d layers) in %s mode", self.path.name, self.model.spec.num_layers, self.mode.value)
@@ -233,11 +226,6 @@ class Engine:
     def search_history(self, strategy: str) -> SearchHistory:
         """What earlier requests of `strategy` on this engine concluded (shared by its drafters)."""
         return self._search_history[strategy]
-
-    def copy_odds(self, strategy: str) -> CopyOdds:
-        """How match lengths move copied drafts' acceptance, over `strategy`'s requests on this
-        engine (knapspec/hybrid.py; shared by its drafters: one request sees too few copies)."""
-        return self._copy_odds.setdefault(strategy, CopyOdds())
 
     def batch_planner(self, strategy: str, config: KnapSpecConfig) -> BatchPlanner:
         """The planner of `strategy`'s requests inside a batch: one sub-network for all of them

@@ -65,16 +65,15 @@ class NgramIndex:
             columns = [tokens[first_end - n + k : num_tokens - n + k] for k in range(n)]
             table.update(zip(zip(*columns), range(first_end, num_tokens)))  # later ends overwrite earlier ones
 
-    def match(self) -> tuple[int, int] | None:
+    def match(self) -> int | None:
         """Where the tokens after the most recent earlier occurrence of the longest matching
-        suffix n-gram start, and that n; None when no suffix of at least min_ngram tokens
-        occurred before."""
+        suffix n-gram start; None when no suffix of at least min_ngram tokens occurred before."""
         num_tokens = len(self.tokens)
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if num_tokens > n:
                 end = self._last_end[n].get(tuple(self.tokens[num_tokens - n :]))
                 if end is not None:
-                    return end, n
+                    return end
         return None
 
 
@@ -105,7 +104,6 @@ class PromptLookupDrafter:
         self.num_draft_steps = 0
         self.num_drafted = 0
         self.num_accepted = 0
-        self.last_ngram = 0  # the length of the match the last draft was copied after (0: none)
 
     @property
     def max_ngram(self) -> int:
@@ -116,15 +114,13 @@ class PromptLookupDrafter:
         return self._index.min_ngram
 
     def propose(self, request: DraftRequest) -> Draft:
-        self.last_ngram = 0
         limit = min(self.max_draft, request.max_tokens)
         if limit < 1:
             return Draft([])
         self._index.sync(request.token_ids)
-        found = self._index.match()
-        if found is None:
+        start = self._index.match()
+        if start is None:
             return Draft([])
-        start, self.last_ngram = found
         tokens: list[int] = []
         for token in self._index.tokens[start : start + limit]:
             tokens.append(token)

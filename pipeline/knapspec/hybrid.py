@@ -9,11 +9,6 @@ A copied draft it declines is still scored: the tokens the model emits next say 
 much of it would have been accepted (exactly, under greedy decoding; with the same
 probability, under sampling with a one-hot draft). Without that, a run of early
 misses would stop it copying for the rest of a request, however good later copies got.
-
-A copy after a long match is right more often than one after a short match (on the sample
-documents, the first copied token after a 2-token match was accepted ~40-55% of the time,
-after 3 tokens ~55-70%, after 4 or more ~85-90%): what a batch verifies of each request's
-copy is chosen by these chances (batch_drafts.py), so they are told apart (CopyOdds).
 """
 
 from __future__ import annotations
@@ -31,42 +26,6 @@ from pipeline.knapspec.replanning import KnapSpecConfig, SearchHistory
 # short and ran 15-20% slower than plain lookup on two sample documents; with 0.8 it matched it).
 LOOKUP_PRIOR_BASE = 0.8
 LOOKUP_PRIOR_STEPS = 2.0
-# Before copies after a given match length have been counted, they are taken to do as copies
-# at large do, with the weight of this many copies.
-MATCH_PRIOR_COPIES = 8.0
-
-
-class CopyOdds:
-    """How the length of the match a copy follows moves its chance of being accepted, counted
-    over every request of a strategy on an engine (Engine.copy_odds): a request's own counts
-    set its level (its document, its place in it), these how a match length moves it.
-
-    `factor(n, j)` is P(copied positions 0..j accepted | match of n tokens) over the same for
-    any match, each from all requests' counts; 1.0 before any count."""
-
-    def __init__(self) -> None:
-        self._tries: dict[int, list[int]] = {}  # match length -> [position j]: copies that reached j
-        self._reached: dict[int, list[int]] = {}  # ... and whose positions 0..j were all accepted
-
-    def count(self, ngram: int, num_drafted: int, num_accepted: int) -> None:
-        tries = self._tries.setdefault(ngram, [])
-        reached = self._reached.setdefault(ngram, [])
-        if len(tries) < num_drafted:
-            tries.extend([0] * (num_drafted - len(tries)))
-            reached.extend([0] * (num_drafted - len(reached)))
-        for j in range(num_drafted):
-            tries[j] += 1
-            reached[j] += j < num_accepted
-
-    def factor(self, ngram: int, j: int) -> float:
-        tries = sum(t[j] for t in self._tries.values() if len(t) > j)
-        reached = sum(r[j] for r in self._reached.values() if len(r) > j)
-        overall = (reached + 1) / (tries + 2)
-        own = self._tries.get(ngram, [])
-        if len(own) <= j:
-            return 1.0
-        rate = (self._reached[ngram][j] + MATCH_PRIOR_COPIES * overall) / (own[j] + MATCH_PRIOR_COPIES)
-        return rate / overall
 
 
 class KnapSpecLookupDrafter:
@@ -76,11 +35,9 @@ class KnapSpecLookupDrafter:
         config: KnapSpecConfig,
         lookup: PromptLookupDrafter,
         history: SearchHistory | None = None,
-        odds: CopyOdds | None = None,
     ) -> None:
         self.knapspec = KnapSpecDrafter(latency, config, history)
         self.lookup = lookup
-        self.odds = CopyOdds() if odds is None else odds
         self.max_draft = max(config.max_draft, lookup.max_draft)
         self.num_lookup_drafted = self.num_lookup_accepted = 0
         self.num_lookup_steps = 0
@@ -88,10 +45,9 @@ class KnapSpecLookupDrafter:
         self._tries = [0] * self.max_draft
         self._reached = [0] * self.max_draft
         self._used_lookup = False
-        # The copy last proposed: where it starts, its tokens, the length of the match it followed.
-        self._proposed: tuple[int, list[int], int] = (0, [], 0)
-        # Declined copies awaiting the tokens that score them, as `_proposed`.
-        self._shadows: list[tuple[int, list[int], int]] = []
+        self._proposed: tuple[int, list[int]] = (0, [])  # the copy last proposed: where it starts, its tokens
+        # Declined copies awaiting the tokens that score them: (where they start, tokens).
+        self._shadows: list[tuple[int, list[int]]] = []
 
     @property
     def latency(self) -> LatencyModel:
@@ -104,45 +60,37 @@ class KnapSpecLookupDrafter:
         """The batch planner of its layer drafts (batch_plan.py); copied drafts are its own."""
         return self.knapspec.batch_planner
 
-    def survival(self, gamma: int, ngram: int = 0) -> list[float]:
-        """[j]: P(copied positions 0..j all accepted), for j < γ, from this request's counts and
-        the prior, moved by what copies after a match of `ngram` tokens do (0: not known)."""
-        chances, last = [], 1.0
-        for j in range(gamma):
-            chance = (self._reached[j] + LOOKUP_PRIOR_BASE ** (j + 1) * LOOKUP_PRIOR_STEPS) / (
-                self._tries[j] + LOOKUP_PRIOR_STEPS
-            )
-            if ngram:
-                chance *= self.odds.factor(ngram, j)
-            last = min(chance, last)  # a later position never survives more often
-            chances.append(last)
-        return chances
+    def survival(self, gamma: int) -> list[float]:
+        """[j]: P(copied positions 0..j all accepted), for j < γ, from the counts and the prior."""
+        return [
+            (self._reached[j] + LOOKUP_PRIOR_BASE ** (j + 1) * LOOKUP_PRIOR_STEPS)
+            / (self._tries[j] + LOOKUP_PRIOR_STEPS)
+            for j in range(gamma)
+        ]
 
-    def expected_accepted(self, gamma: int, ngram: int = 0) -> float:
+    def expected_accepted(self, gamma: int) -> float:
         """E[copied tokens accepted] for a lookup draft of γ tokens: Σ_j P(positions 0..j accepted)."""
-        return sum(self.survival(gamma, ngram))
+        return sum(self.survival(gamma))
 
-    def count(self, num_drafted: int, num_accepted: int, ngram: int = 0) -> None:
-        """One copied draft of `num_drafted` tokens, copied after a match of `ngram` tokens,
-        whose first `num_accepted` were (or would have been) accepted."""
+    def count(self, num_drafted: int, num_accepted: int) -> None:
+        """One copied draft of `num_drafted` tokens whose first `num_accepted` were (or would
+        have been) accepted."""
         for j in range(num_drafted):
             self._tries[j] += 1
             self._reached[j] += j < num_accepted
-        if ngram:
-            self.odds.count(ngram, num_drafted, num_accepted)
 
     def score_declined(self, token_ids: list[int]) -> None:
         """Score the declined copies whose outcome the emitted tokens now decide."""
         waiting = []
-        for start, tokens, ngram in self._shadows:
+        for start, tokens in self._shadows:
             emitted = token_ids[start : start + len(tokens)]
             matched = 0
             while matched < len(emitted) and emitted[matched] == tokens[matched]:
                 matched += 1
             if matched < len(emitted) or len(emitted) == len(tokens):
-                self.count(len(tokens), matched, ngram)
+                self.count(len(tokens), matched)
             else:
-                waiting.append((start, tokens, ngram))  # right so far: the next tokens decide
+                waiting.append((start, tokens))  # right so far: the next tokens decide
         self._shadows = waiting
 
     def propose(self, request: DraftRequest) -> Draft:
@@ -151,29 +99,28 @@ class KnapSpecLookupDrafter:
     def propose_steps(self, request: DraftRequest) -> DraftSteps:
         self.score_declined(request.token_ids)
         draft = self.lookup.propose(request)
-        ngram = self.lookup.last_ngram
         self._used_lookup = False
         if draft.token_ids:
             copied = draft.token_ids
             context = request.cache.length
             # The best prefix of the copied draft by predicted TPT: a shaky copy is cut short.
             tpt_lookup, gamma = max(
-                ((1.0 + self.expected_accepted(g, ngram)) / self.latency.t_verify(g + 1, context), g)
+                ((1.0 + self.expected_accepted(g)) / self.latency.t_verify(g + 1, context), g)
                 for g in range(1, min(len(draft.token_ids), self.latency.max_verify - 1) + 1)
             )
             draft = Draft(draft.token_ids[:gamma], None if draft.probs is None else draft.probs[:gamma])
-            draft.survival = self.survival(gamma, ngram)  # a batch may verify less of it (batch_drafts.py)
+            draft.survival = self.survival(gamma)  # a batch may verify less of it (batch_drafts.py)
             # Against the layer plan's gain over plain decoding: a batch's plan predicts the batch's
             # rate, in other units than this request's copy alone (knapspec/batch_plan.py).
             plan = self.knapspec.plan
             gain_layers = plan.predicted_tpt / plan.ar_tpt if plan is not None and plan.ar_tpt > 0 else 1.0
             if tpt_lookup >= gain_layers / self.latency.t_verify(1, context):
                 self._used_lookup = True
-                self._proposed = (len(request.token_ids), draft.token_ids, ngram)
+                self._proposed = (len(request.token_ids), draft.token_ids)
                 self.knapspec.count_step(context)
                 return draft
             # The tokens after `pending` will tell how this copy would have done, position by position.
-            self._shadows.append((len(request.token_ids), copied, ngram))
+            self._shadows.append((len(request.token_ids), copied))
         return (yield from self.knapspec.propose_steps(request))
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
@@ -182,15 +129,15 @@ class KnapSpecLookupDrafter:
             self.num_lookup_steps += 1
             self.num_lookup_drafted += num_drafted
             self.num_lookup_accepted += num_accepted
-            start, proposed, ngram = self._proposed
+            start, proposed = self._proposed
             cut = num_drafted < len(proposed)  # a batch verified only part of the copy
             if cut and num_accepted == num_drafted:
                 # All of that part accepted: the tokens emitted next tell how the rest would
                 # have done, as for a declined copy.
-                self._shadows.append(self._proposed)
+                self._shadows.append((start, proposed))
             else:
                 # A miss ends the copy: positions past it were not reached, verified or cut.
-                self.count(len(proposed) if cut else num_drafted, num_accepted, ngram)
+                self.count(len(proposed) if cut else num_drafted, num_accepted)
             self.lookup.observe(num_drafted, num_accepted)
         else:
             self.knapspec.observe(num_drafted, num_accepted)

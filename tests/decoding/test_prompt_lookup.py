@@ -52,10 +52,8 @@ def test_most_recent_match_wins():
 def test_longer_ngram_preferred():
     tokens = [4, 5, 6, 7, 7, 9, 5, 6, 8, 8, 4, 5, 6]
     # (4, 5, 6) occurred once, early; (5, 6) most recently before 8, 8.
-    longer, shorter = PromptLookupDrafter(max_ngram=3, min_ngram=2), PromptLookupDrafter(max_ngram=2, min_ngram=2)
-    assert longer.propose(request(tokens)).token_ids == [7, 7, 9] and longer.last_ngram == 3
-    assert shorter.propose(request(tokens)).token_ids == [8, 8, 4] and shorter.last_ngram == 2
-    assert longer.propose(request([1, 2, 3])).token_ids == [] and longer.last_ngram == 0  # no match: none
+    assert PromptLookupDrafter(max_ngram=3, min_ngram=2).propose(request(tokens)).token_ids == [7, 7, 9]
+    assert PromptLookupDrafter(max_ngram=2, min_ngram=2).propose(request(tokens)).token_ids == [8, 8, 4]
 
 
 def test_no_match_gives_an_empty_draft():

@@ -13,7 +13,7 @@ from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.knapspec.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter, evaluate_skip_sets
 from pipeline.knapspec.drafter import KnapSpecDrafter
-from pipeline.knapspec.hybrid import MATCH_PRIOR_COPIES, CopyOdds, KnapSpecLookupDrafter
+from pipeline.knapspec.hybrid import KnapSpecLookupDrafter
 from pipeline.knapspec.replanning import KnapSpecConfig, SearchHistory, search_budget, steps_planned_for
 from tests.builders import SEARCH_CONFIG, load_tiny, synthetic_latency
 
@@ -149,35 +149,14 @@ def test_hybrid_counts_copied_runs_per_position():
     assert hybrid.summary()["num_lookup_steps"] == 60
 
 
-def test_copy_odds_tell_long_matches_from_short_ones():
-    odds = CopyOdds()
-    assert odds.factor(3, 0) == 1.0  # nothing counted: no change
-    for i in range(100):  # copies after 4-token matches right 90% of the time, after 2 tokens 40%
-        odds.count(4, 3, 3 if i % 10 else 0)
-        odds.count(2, 3, 0 if i % 5 < 3 else 3)
-    assert odds.factor(4, 0) > 1.3 and odds.factor(2, 0) < 0.7 and odds.factor(3, 0) == 1.0
-    overall = (90 + 40 + 1) / (200 + 2)
-    assert odds.factor(4, 0) * overall == pytest.approx((90 + MATCH_PRIOR_COPIES * overall) / (100 + MATCH_PRIOR_COPIES))
-    assert odds.factor(4, 5) == 1.0  # a position no copy reached
-
-    # A request's own level, moved by the match length; never rising along the copy, never above 1.
-    hybrid = KnapSpecLookupDrafter(synthetic_latency(8, verify_growth=0.0), SEARCH_CONFIG, PromptLookupDrafter(), odds=odds)
-    for _ in range(10):
-        hybrid.count(3, 3, ngram=4)  # counted into the shared odds too
-    assert odds._tries[4][:3] == [110, 110, 110]
-    long, short, unknown = hybrid.survival(3, 4), hybrid.survival(3, 2), hybrid.survival(3)
-    assert all(s < u < l <= 1.0 for s, u, l in zip(short, unknown, long))
-    assert all(a >= b for a, b in zip(short, short[1:])) and long[0] == 1.0
-
-
 def test_hybrid_scores_the_copies_it_declines():
     hybrid = KnapSpecLookupDrafter(synthetic_latency(8, verify_growth=0.0), SEARCH_CONFIG, PromptLookupDrafter())
     prompt = [5, 6, 7, 8]
-    hybrid._shadows = [(4, [1, 2, 3], 2), (4, [1, 9, 9], 2), (5, [2, 3, 4], 3), (5, [7], 0)]
+    hybrid._shadows = [(4, [1, 2, 3]), (4, [1, 9, 9]), (5, [2, 3, 4]), (5, [7])]
     hybrid.score_declined(prompt + [1, 2])
     # [1, 9, 9] missed at position 1 and [7] at 0; [1, 2, 3] and [2, 3, 4] are right so far: they wait.
     assert hybrid._tries[:3] == [2, 1, 1] and hybrid._reached[:3] == [1, 0, 0]
-    assert hybrid._shadows == [(4, [1, 2, 3], 2), (5, [2, 3, 4], 3)]
+    assert hybrid._shadows == [(4, [1, 2, 3]), (5, [2, 3, 4])]
     hybrid.score_declined(prompt + [1, 2, 3, 5])
     assert hybrid._tries[:3] == [4, 3, 3] and hybrid._reached[:3] == [3, 2, 1] and hybrid._shadows == []
 
@@ -187,12 +166,12 @@ def test_hybrid_scores_the_part_of_a_copy_a_batch_cut():
     by the tokens emitted next, as a declined copy is, or counted as missed after a miss."""
     hybrid = KnapSpecLookupDrafter(synthetic_latency(8, verify_growth=0.0), SEARCH_CONFIG, PromptLookupDrafter())
     prompt = [5, 6, 7, 8]
-    hybrid._used_lookup, hybrid._proposed = True, (4, [1, 2, 3], 2)
+    hybrid._used_lookup, hybrid._proposed = True, (4, [1, 2, 3])
     hybrid.observe(1, 1)  # [1] verified and accepted: [2, 3] wait for the tokens after it
-    assert hybrid._tries[:3] == [0, 0, 0] and hybrid._shadows == [(4, [1, 2, 3], 2)]
+    assert hybrid._tries[:3] == [0, 0, 0] and hybrid._shadows == [(4, [1, 2, 3])]
     hybrid.score_declined(prompt + [1, 2, 4])
     assert hybrid._tries[:3] == [1, 1, 1] and hybrid._reached[:3] == [1, 1, 0]
-    hybrid._proposed = (7, [4, 4, 4], 3)
+    hybrid._proposed = (7, [4, 4, 4])
     hybrid.observe(2, 0)  # a miss in the verified part: the cut position was not reached either
     assert hybrid._tries[:3] == [2, 2, 2] and hybrid._reached[:3] == [1, 1, 0]
     assert hybrid.summary()["num_lookup_steps"] == 2
@@ -207,7 +186,7 @@ def test_hybrid_keeps_learning_after_early_misses(tiny_deep_llama):
     assert (1 + hybrid.expected_accepted(1)) / lat.t_verify(2, 100) < 1 / lat.t_verify(1, 100)  # copying loses
     tokens = list(range(100))
     for start in range(40, 70):  # then thirty declined copies, each right
-        hybrid._shadows.append((start, tokens[start : start + 3], 0))
+        hybrid._shadows.append((start, tokens[start : start + 3]))
         hybrid.score_declined(tokens[: start + 3])
     assert (1 + hybrid.expected_accepted(3)) / lat.t_verify(4, 100) > 1.4 / lat.t_verify(1, 100)  # wins again
 
