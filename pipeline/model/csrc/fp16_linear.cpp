@@ -123,8 +123,9 @@ torch::Tensor fp16_linear_pack(const torch::Tensor& weight) {
   return padded.view({slices, kSlice, k}).transpose(1, 2).contiguous().to(torch::kHalf);
 }
 
-torch::Tensor fp16_linear(const torch::Tensor& x_in, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                          int64_t out_features, const c10::optional<torch::Tensor>& out_in) {
+torch::Tensor fp16_linear(const torch::Tensor& x_in, const torch::Tensor& packed,
+                          const c10::optional<torch::Tensor>& bias, int64_t out_features,
+                          const c10::optional<torch::Tensor>& out_in) {
   TORCH_CHECK(fp16_linear_available(), "fp16_linear needs a build with AVX-512");
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == torch::kFloat32 && x_in.dim() == 2, "x: [rows, in] fp32");
   TORCH_CHECK(packed.scalar_type() == torch::kHalf && packed.dim() == 3 && packed.size(2) == kSlice &&
@@ -135,7 +136,8 @@ torch::Tensor fp16_linear(const torch::Tensor& x_in, const torch::Tensor& packed
   const int64_t m = x.size(0), k = x.size(1), n = out_features;
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n, "bias: [out] fp32");
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n,
+                "bias: [out] fp32");
     bp = bias->data_ptr<float>();
   }
   torch::Tensor out;

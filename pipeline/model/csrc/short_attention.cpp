@@ -122,7 +122,8 @@ void tile_scores(const float* q, const float* keys, int64_t key_stride, int64_t 
   for (int64_t j = 0; j < num_keys; j += kKeys) {
     if (ahead) {
       for (int64_t t = 0; t < kKeys; ++t)
-        for (int64_t l = 0; l < D; l += 16) _mm_prefetch(reinterpret_cast<const char*>(ahead + (j + t) * key_stride + l), _MM_HINT_T0);
+        for (int64_t l = 0; l < D; l += 16)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + (j + t) * key_stride + l), _MM_HINT_T0);
     }
     const float* k[kKeys];
     for (int64_t t = 0; t < kKeys; ++t) k[t] = keys + std::min(j + t, num_keys - 1) * key_stride;
@@ -246,7 +247,8 @@ void tile_values(const float* scores, int64_t m0, int64_t rows, int64_t reach, c
       for (int64_t c = 0; c < kVecs; ++c) acc[i][c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < reach; ++j) {
       if (ahead && b == 0)
-        for (int64_t l = 0; l < D; l += 16) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * value_stride + l), _MM_HINT_T0);
+        for (int64_t l = 0; l < D; l += 16)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + j * value_stride + l), _MM_HINT_T0);
       const float* v = values + j * value_stride + b;
       __m512 x[kVecs];
       for (int64_t c = 0; c < kVecs; ++c) x[c] = _mm512_loadu_ps(v + 16 * c);
