@@ -153,8 +153,7 @@ torch::Tensor fp16_linear(const torch::Tensor& x_in, const torch::Tensor& packed
   const float* xp = x.data_ptr<float>();
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::Half>());
   float* op = out.data_ptr<float>();
-  if (m == 0) {
-  } else if (m <= kFewRows) {
+  if (m > 0 && m <= kFewRows) {
     constexpr int64_t per_panel = kPanel / kSlice;
     at::parallel_for(0, packed.size(0) / per_panel, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end && p * kPanel < n; ++p) {
@@ -162,7 +161,7 @@ torch::Tensor fp16_linear(const torch::Tensor& x_in, const torch::Tensor& packed
                 std::min(kPanel, n - p * kPanel));
       }
     });
-  } else {
+  } else if (m > kFewRows) {
     at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
       for (int64_t s = begin; s < end && s * kSlice < n; ++s) {
         for (int64_t r = 0; r < m; r += kManyRows) {
