@@ -116,7 +116,8 @@ def decode_batch(
     budget = budget if budget is not None else DraftBudget()
     seen_before, changes_before = (0, 0) if budget.cost is None else (budget.cost.num_observed, budget.cost.num_changes)
     while running := [request for request in requests if request.running]:
-        step_started, emitted = time.perf_counter(), sum(len(r.output) for r in running)
+        if steps is not None:
+            step_started, emitted = time.perf_counter(), sum(len(r.output) for r in running)
         plan_together(model, running, budget)
         drafts = propose_together(model, running)
         for draft in drafts:
