@@ -28,6 +28,16 @@ namespace {
 constexpr int64_t kChunk = 256;
 constexpr int64_t kRowTile = 4;
 
+// `ahead`: the next task's keys or values (or null), fetched while this task computes. Into L2: the
+// two chunks (2 x 64 KB at head_dim 64) do not fit an L1 beside the ones being read. Each row
+// tile of a task fetches its share of them (every `shares`-th step), so the fetches spread over
+// the whole task: issued by the first tile alone they came in a burst that filled the core's
+// miss buffers and stalled its arithmetic, and a multi-row task's memory time and compute time
+// added up. (On a 2-core Xeon these three, L2, the next task whatever its head, the spread,
+// took 4 tokens' attention over 30 layers at 4k context ~16% less time than the same head's
+// next chunk fetched into L1 by the first tile; one token ~10%, a batch of 8 at 4k ~9-12%.)
+inline void fetch(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -108,22 +118,20 @@ inline __m256 tile_sums(const __m256* a0, const __m256* a1) {
 // Scores of rows [m0, m0 + rows) against keys [0, num_keys) of a chunk, four rows at a time
 // (by four keys with AVX-512, by two with AVX2); q holds whole tiles of rows (zero-padded).
 // Keys past the last are the last again: a key's score never depends on its neighbours.
-// `ahead` (or null): the next chunk's keys, fetched into cache while this one is scored, so a
-// one-row decode at long context streams memory instead of waiting on each chunk's first miss
-// (in both builds: the AVX-512 one without it took a 1-row decode's attention over 30 layers
-// at 4k context ~9% longer, at 1k ~30%, on a 2-core Xeon).
+// `ahead`: the next task's keys, so that a one-row decode at long context streams memory
+// instead of waiting on each chunk's first miss (the AVX-512 build without it took a 1-row
+// decode's attention over 30 layers at 4k context ~9% longer, at 1k ~30%, on a 2-core Xeon).
 template <int64_t D>
 void tile_scores(const float* q, const float* keys, int64_t key_stride, int64_t m0, int64_t rows,
-                 int64_t num_keys, float* scores, const float* ahead) {
+                 int64_t num_keys, float* scores, const float* ahead, int64_t share, int64_t shares) {
 #ifdef __AVX512F__
   static_assert(D % 16 == 0, "head_dim in steps of 16");
   constexpr int64_t kKeys = 4;
   alignas(64) float sums[16];
   for (int64_t j = 0; j < num_keys; j += kKeys) {
-    if (ahead) {
+    if (ahead && (j / kKeys) % shares == share) {
       for (int64_t t = 0; t < kKeys; ++t)
-        for (int64_t l = 0; l < D; l += 16)
-          _mm_prefetch(reinterpret_cast<const char*>(ahead + (j + t) * key_stride + l), _MM_HINT_T0);
+        for (int64_t l = 0; l < D; l += 16) fetch(ahead + (j + t) * key_stride + l);
     }
     const float* k[kKeys];
     for (int64_t t = 0; t < kKeys; ++t) k[t] = keys + std::min(j + t, num_keys - 1) * key_stride;
@@ -144,9 +152,9 @@ void tile_scores(const float* q, const float* keys, int64_t key_stride, int64_t 
   }
 #else
   for (int64_t j = 0; j < num_keys; j += 2) {
-    if (ahead) {
+    if (ahead && (j / 2) % shares == share) {
       for (int64_t t = 0; t < 2; ++t)
-        for (int64_t l = 0; l < D; l += 16) _mm_prefetch(reinterpret_cast<const char*>(ahead + (j + t) * key_stride + l), _MM_HINT_T0);
+        for (int64_t l = 0; l < D; l += 16) fetch(ahead + (j + t) * key_stride + l);
     }
     const float* k0 = keys + j * key_stride;
     const float* k1 = j + 1 < num_keys ? k0 + key_stride : k0;
@@ -232,10 +240,10 @@ inline void row_softmax(float* s, int64_t n, int64_t reach, float* max_out, floa
 // past a row's own has weight 0, and fma(0, v, acc) is acc: a row's sums do not depend on
 // its tile. Every row of the tile is stored (`out` has whole tiles): a store loop bounded by
 // `rows` made GCC keep the sums in memory, a load and a store per FMA. `ahead`: the next
-// chunk's values, fetched during the first pass.
+// task's values, fetched during the first pass.
 template <int64_t D>
 void tile_values(const float* scores, int64_t m0, int64_t rows, int64_t reach, const float* values,
-                 int64_t value_stride, float* out, const float* ahead) {
+                 int64_t value_stride, float* out, const float* ahead, int64_t share, int64_t shares) {
   const float* p[kRowTile];
   for (int64_t i = 0; i < kRowTile; ++i) p[i] = scores + (m0 + std::min(i, rows - 1)) * kChunk;
 #ifdef __AVX512F__
@@ -246,9 +254,8 @@ void tile_values(const float* scores, int64_t m0, int64_t rows, int64_t reach, c
     for (int64_t i = 0; i < kRowTile; ++i)
       for (int64_t c = 0; c < kVecs; ++c) acc[i][c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < reach; ++j) {
-      if (ahead && b == 0)
-        for (int64_t l = 0; l < D; l += 16)
-          _mm_prefetch(reinterpret_cast<const char*>(ahead + j * value_stride + l), _MM_HINT_T0);
+      if (ahead && b == 0 && j % shares == share)
+        for (int64_t l = 0; l < D; l += 16) fetch(ahead + j * value_stride + l);
       const float* v = values + j * value_stride + b;
       __m512 x[kVecs];
       for (int64_t c = 0; c < kVecs; ++c) x[c] = _mm512_loadu_ps(v + 16 * c);
@@ -265,8 +272,8 @@ void tile_values(const float* scores, int64_t m0, int64_t rows, int64_t reach, c
     __m256 acc[kRowTile][2];
     for (int64_t i = 0; i < kRowTile; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t j = 0; j < reach; ++j) {
-      if (ahead && b == 0)
-        for (int64_t l = 0; l < D; l += 16) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * value_stride + l), _MM_HINT_T0);
+      if (ahead && b == 0 && j % shares == share)
+        for (int64_t l = 0; l < D; l += 16) fetch(ahead + j * value_stride + l);
       const float* v = values + j * value_stride + b;
       const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
       for (int64_t i = 0; i < kRowTile; ++i) {
@@ -317,6 +324,12 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
         counts[m] = std::clamp<int64_t>(lp[slot * block + m / groups] - first, 0, kChunk);
       float* out = pp + (head * num_chunks + chunk) * tiled_rows * D;
       float* st = sp + (head * num_chunks + chunk) * num_rows * 2;
+      // The next task of this thread, of this head or the next: its chunk is fetched meanwhile.
+      const bool more = task + 1 < end;
+      const int64_t next_head = (task + 1) / num_chunks, next_first = (task + 1) % num_chunks * kChunk;
+      const float* keys_ahead = more ? kp + next_head * k_head + next_first * k_key : nullptr;
+      const float* values_ahead = more ? vp + next_head * v_head + next_first * v_key : nullptr;
+      const int64_t shares = tiled_rows / kRowTile;
       for (int64_t m0 = 0; m0 < num_rows; m0 += kRowTile) {
         const int64_t rows = std::min(kRowTile, num_rows - m0);
         const int64_t reach = *std::max_element(counts.begin() + m0, counts.begin() + m0 + rows);
@@ -325,8 +338,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
           for (int64_t m = m0; m < m0 + rows; ++m) st[2 * m] = -std::numeric_limits<float>::infinity(), st[2 * m + 1] = 0.0f;
           continue;
         }
-        const bool more = m0 == 0 && first + kChunk < max_keys;
-        tile_scores<D>(qtile.data(), kh, k_key, m0, rows, reach, scores.data(), more ? kh + kChunk * k_key : nullptr);
+        tile_scores<D>(qtile.data(), kh, k_key, m0, rows, reach, scores.data(), keys_ahead, m0 / kRowTile, shares);
         for (int64_t m = m0; m < m0 + rows; ++m) {
           if (counts[m] == 0) {
             std::fill(scores.data() + m * kChunk, scores.data() + m * kChunk + reach, 0.0f);
@@ -335,7 +347,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
             row_softmax(scores.data() + m * kChunk, counts[m], reach, st + 2 * m, st + 2 * m + 1);
           }
         }
-        tile_values<D>(scores.data(), m0, rows, reach, vh, v_key, out, more ? vh + kChunk * v_key : nullptr);
+        tile_values<D>(scores.data(), m0, rows, reach, vh, v_key, out, values_ahead, m0 / kRowTile, shares);
       }
     }
   });
