@@ -5,8 +5,9 @@
 activations and accumulation in fp32: on CPU a 1-row product is memory bound, so
 halving the weight bytes is what makes a decode step fast, and FBGEMM's fp16
 kernel costs nearly the same for 2-4 rows as for one, which is what makes
-verifying a speculative draft cheap. Where the CPU has AVX-512 the project's own
-kernel (short_attention.linear_kernel) replaces FBGEMM's: the same bits, 0.5-0.7x the time.
+verifying a speculative draft cheap. Where the kernel build exists (x86 with AVX2) the
+project's own kernel (short_attention.linear_kernel) replaces FBGEMM's: the same bits, and
+with AVX-512 0.5-0.7x the time.
 Prefill chunks are compute bound and the fp16 kernels are slower than fp32 there, so
 `fp16w` keeps an fp32 copy for them.
 """

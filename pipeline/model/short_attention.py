@@ -10,9 +10,9 @@ of values (flash decoding: chunks of keys in parallel, combined exactly).
 
 The same build carries the mode's RMS norm of fp32 rows (`csrc/row_norm.cpp`,
 `rms_norm_rows`): a decode step norms one row 61 times, where PyTorch's dispatch costs
-more than the arithmetic. And, where the CPU has AVX-512, the mode's linears for decode and
-verify blocks (`csrc/fp16_linear.cpp`, `linear_kernel`): fp16 weights, fp32 rows, 0.5-0.7x the
-time of FBGEMM's fp16 kernel at 1 to 32 rows and bit-equal to it on the CPUs measured.
+more than the arithmetic. And the mode's linears for decode and verify blocks
+(`csrc/fp16_linear.cpp`, `linear_kernel`): fp16 weights, fp32 rows, bit-equal to FBGEMM's fp16
+kernel on the CPUs measured; the AVX-512 build in 0.5-0.7x its time at 1 to 32 rows.
 
 Only x86 CPUs with AVX2 and FMA take it (`torch.backends.cpu.get_cpu_capability()`), built
 16 floats wide where that says AVX-512, and only in the `fp16w` mode: `fp32` stays the
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / name for name in ("short_attention.cpp", "row_norm.cpp", "fp16_linear.cpp")
 )
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 AVX512_FLAGS = ("-mavx512f", "-mavx512vl")  # where the CPU has AVX-512: the 16-wide build
 HEAD_DIMS = (16, 32, 64, 128)
 # How a model's decode and verify attention runs (SublayerModel.attention_route); latency
@@ -123,9 +123,9 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 
 def linear_kernel() -> ModuleType | None:
-    """The build, where it carries the fp16 linears (an AVX-512 build); None elsewhere (the
-    fp16w mode then runs FBGEMM's kernel). Not turned off by `use_kernel`, which is about
-    attention: the linears' bits are FBGEMM's either way."""
+    """The build, where it carries the fp16 linears (AVX-512, or AVX2 with F16C); None
+    elsewhere (the fp16w mode then runs FBGEMM's kernel). Not turned off by `use_kernel`,
+    which is about attention: the linears' bits are FBGEMM's either way."""
     kernel = load_kernel()
     return kernel if kernel is not None and kernel.fp16_linear_available() else None
 

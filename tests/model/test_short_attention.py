@@ -153,14 +153,21 @@ def test_the_row_norm_refuses_what_it_cannot_norm(row_norm):
         row_norm(torch.ones(2, 8), torch.ones(6), 1e-5)
 
 
-needs_linear_kernel = pytest.mark.skipif(sa.linear_kernel() is None, reason="the fp16 linears need an AVX-512 build")
+needs_linear_kernel = pytest.mark.skipif(sa.linear_kernel() is None, reason="the fp16 linears need the kernel build")
+
+
+@pytest.fixture(params=BUILDS, ids=lambda flags: "avx512" if "-mavx512f" in flags else "avx2", scope="module")
+def linear_build(request):
+    module = sa.build(request.param)
+    assert module is not None and module.fp16_linear_available()
+    return module
 
 
 @needs_linear_kernel
 @pytest.mark.parametrize("shape", [(576, 576), (960, 576), (100, 40), (7, 3)])  # whole panels, a ragged last one
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_fp16_linear_is_fbgemms_and_each_rows_bits_are_its_own(shape, with_bias):
-    kernel = sa.linear_kernel()
+def test_the_fp16_linear_is_fbgemms_and_each_rows_bits_are_its_own(linear_build, shape, with_bias):
+    kernel = linear_build
     generator = torch.Generator().manual_seed(5)
     weight = torch.randn(shape, generator=generator) * 0.05
     bias = torch.randn(shape[0], generator=generator) if with_bias else None
@@ -171,8 +178,9 @@ def test_the_fp16_linear_is_fbgemms_and_each_rows_bits_are_its_own(shape, with_b
     expected = x.double() @ weight.half().double().t() + (0 if bias is None else bias.double())
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
     # The same bits as FBGEMM's fp16 kernel (the mode ran that alone before: stored tables and
-    # outputs keep their meaning), at every row count of a decode or verify block.
-    for rows in (1, 2, 5, 8, 9, 17, 32):
+    # outputs keep their meaning), at every row count of a decode or verify block, in either
+    # build (each block's rows and slices: 1-2 rows over three slices or 3-6 a pass on AVX2).
+    for rows in (1, 2, 3, 5, 6, 7, 8, 9, 13, 17, 32):
         assert torch.equal(got[:rows], torch.ops.quantized.linear_dynamic_fp16(x[:rows], fbgemm))
     for r in (0, 7, 8, 31):  # a row alone, or among others at another place: its own bits
         assert torch.equal(kernel.fp16_linear(x[r : r + 1], packed, bias, shape[0], None), got[r : r + 1])
@@ -182,8 +190,8 @@ def test_the_fp16_linear_is_fbgemms_and_each_rows_bits_are_its_own(shape, with_b
 
 
 @needs_linear_kernel
-def test_the_fp16_linear_refuses_what_it_cannot_multiply():
-    kernel = sa.linear_kernel()
+def test_the_fp16_linear_refuses_what_it_cannot_multiply(linear_build):
+    kernel = linear_build
     packed = kernel.fp16_linear_pack(torch.ones(48, 8))
     with pytest.raises(RuntimeError, match="fp32"):
         kernel.fp16_linear(torch.ones(2, 8, dtype=torch.float64), packed, None, 48, None)

@@ -1,11 +1,14 @@
 // y = x W^T + b for fp32 rows x and fp16 weights W, accumulated in fp32: the fp16w mode's
-// linears for decode and verify blocks (up to a few dozen rows), where CPUs with AVX-512 have it.
+// linears for decode and verify blocks (up to a few dozen rows), 16 floats wide where the CPU
+// has AVX-512 and 8 wide on AVX2 (with F16C, as every AVX2 CPU has).
 //
 // FBGEMM's fp16 kernel, which the mode used alone before, ran SmolLM2's linears at ~15 GB/s of
 // weights for one row, and its time for 16 rows was about that of memory plus that of the
 // FMAs. Here the weights are slices of 16 output columns, K-major, each streamed once with the
 // weights asked for ahead: up to 8 rows take three slices at once (a converted weight serves
-// every row), more rows one slice at a time, so no slice is read twice for 9 to 16 rows.
+// every row), more rows one slice at a time, so no slice is read twice for 9 to 16 rows. With
+// AVX2's sixteen 8-float registers the blocks are smaller (up to 2 rows over three slices, 6
+// rows a pass over one) and a converted weight serves fewer rows; the packing is the same.
 //
 // Every output element is one FMA chain over k in ascending order, then the bias: its bits
 // depend on its row and column alone, not on how many rows came with it or where they sat,
@@ -22,10 +25,15 @@
 
 namespace {
 
-constexpr int64_t kSlice = 16;   // output columns per slice: one 16-float register, K-major
+constexpr int64_t kSlice = 16;   // output columns per slice: one 16-float register (two of 8), K-major
 constexpr int64_t kPanel = 48;   // slices are padded to whole panels of three (a block of few rows takes three)
+#ifdef __AVX512F__
 constexpr int kFewRows = 8;      // up to this many rows, three slices at once: 24 accumulators
 constexpr int kManyRows = 16;    // more rows, one slice at a time, up to this many rows per pass
+#else
+constexpr int kFewRows = 2;      // 2 rows x 3 slices x 2 registers: 12 accumulators
+constexpr int kManyRows = 6;     // 6 rows x 2 registers, a slice's 2 and a row's broadcast: 15 registers
+#endif
 // How far ahead of its reads a stream of weights asks for them: the hardware prefetcher alone
 // left a 1-row product at ~0.75 of what the memory gives and did not overlap loads with the
 // FMAs of 8-16 rows (their time was the sum of both); a few KB ahead took a whole model's
@@ -89,6 +97,69 @@ void many_rows(const float* x, int64_t k_size, const uint16_t* w, const float* b
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ld, mask, _mm512_add_ps(acc[r], b));
 }
 
+#define KNAPSPEC_FP16_LINEAR 1
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+// A slice's 16 columns at one k, as two 8-float registers.
+inline void load_slice(const uint16_t* w, __m256& low, __m256& high) {
+  low = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  high = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 8)));
+}
+
+// The first `cols` (<= 16) of a slice's sums, plus the bias, into a row of the output.
+inline void store_slice(float* out, __m256 low, __m256 high, const float* bias, int64_t cols) {
+  alignas(32) float sums[kSlice];
+  _mm256_store_ps(sums, low);
+  _mm256_store_ps(sums + 8, high);
+  for (int64_t c = 0; c < cols; ++c) out[c] = bias == nullptr ? sums[c] : sums[c] + bias[c];
+}
+
+template <int R>
+void few_rows(const float* x, int64_t k_size, const uint16_t* w, const float* bias, float* out, int64_t ld,
+              int64_t cols) {
+  __m256 acc[R][3][2];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 3; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k_size; ++k) {
+    __m256 xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm256_broadcast_ss(x + r * k_size + k);
+    for (int c = 0; c < 3; ++c) {
+      const uint16_t* wc = w + (c * k_size + k) * kSlice;
+      if ((k & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(wc) + kPrefetchBytes, _MM_HINT_T0);
+      __m256 low, high;
+      load_slice(wc, low, high);
+      for (int r = 0; r < R; ++r) {
+        acc[r][c][0] = _mm256_fmadd_ps(xv[r], low, acc[r][c][0]);
+        acc[r][c][1] = _mm256_fmadd_ps(xv[r], high, acc[r][c][1]);
+      }
+    }
+  }
+  for (int c = 0; c < 3 && cols > c * kSlice; ++c)
+    for (int r = 0; r < R; ++r)
+      store_slice(out + r * ld + c * kSlice, acc[r][c][0], acc[r][c][1], bias == nullptr ? nullptr : bias + c * kSlice,
+                  std::min(kSlice, cols - c * kSlice));
+}
+
+template <int R>
+void many_rows(const float* x, int64_t k_size, const uint16_t* w, const float* bias, float* out, int64_t ld,
+               int64_t cols) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k_size; ++k) {
+    if ((k & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k * kSlice) + kPrefetchBytes, _MM_HINT_T0);
+    __m256 low, high;
+    load_slice(w + k * kSlice, low, high);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * k_size + k);
+      acc[r][0] = _mm256_fmadd_ps(xv, low, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xv, high, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store_slice(out + r * ld, acc[r][0], acc[r][1], bias, cols);
+}
+#define KNAPSPEC_FP16_LINEAR 1
+#endif
+
+#ifdef KNAPSPEC_FP16_LINEAR
 using BlockFn = void (*)(const float*, int64_t, const uint16_t*, const float*, float*, int64_t, int64_t);
 
 template <int... Rs>
@@ -106,7 +177,7 @@ constexpr auto kMany = many_table(std::make_integer_sequence<int, kManyRows>{});
 }  // namespace
 
 bool fp16_linear_available() {
-#ifdef __AVX512F__
+#ifdef KNAPSPEC_FP16_LINEAR
   return true;
 #else
   return false;
@@ -126,7 +197,7 @@ torch::Tensor fp16_linear_pack(const torch::Tensor& weight) {
 torch::Tensor fp16_linear(const torch::Tensor& x_in, const torch::Tensor& packed,
                           const c10::optional<torch::Tensor>& bias, int64_t out_features,
                           const c10::optional<torch::Tensor>& out_in) {
-  TORCH_CHECK(fp16_linear_available(), "fp16_linear needs a build with AVX-512");
+  TORCH_CHECK(fp16_linear_available(), "fp16_linear needs a build with AVX-512, or AVX2 with F16C");
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == torch::kFloat32 && x_in.dim() == 2, "x: [rows, in] fp32");
   TORCH_CHECK(packed.scalar_type() == torch::kHalf && packed.dim() == 3 && packed.size(2) == kSlice &&
                   packed.size(1) == x_in.size(1) && packed.size(0) * kSlice >= out_features &&
@@ -149,7 +220,7 @@ torch::Tensor fp16_linear(const torch::Tensor& x_in, const torch::Tensor& packed
   } else {
     out = torch::empty({m, n}, x.options());
   }
-#ifdef __AVX512F__
+#ifdef KNAPSPEC_FP16_LINEAR
   const float* xp = x.data_ptr<float>();
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::Half>());
   float* op = out.data_ptr<float>();
