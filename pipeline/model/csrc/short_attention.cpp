@@ -28,14 +28,15 @@ namespace {
 constexpr int64_t kChunk = 256;
 constexpr int64_t kRowTile = 4;
 
-// `ahead`: the next task's keys or values (or null), fetched while this task computes. Into L2: the
-// two chunks (2 x 64 KB at head_dim 64) do not fit an L1 beside the ones being read. Each row
-// tile of a task fetches its share of them (every `shares`-th step), so the fetches spread over
-// the whole task: issued by the first tile alone they came in a burst that filled the core's
-// miss buffers and stalled its arithmetic, and a multi-row task's memory time and compute time
-// added up. (On a 2-core Xeon these three, L2, the next task whatever its head, the spread,
-// took 4 tokens' attention over 30 layers at 4k context ~16% less time than the same head's
-// next chunk fetched into L1 by the first tile; one token ~10%, a batch of 8 at 4k ~9-12%.)
+// A task fetches the next task's keys and values (`ahead`, or null) while it computes. Into
+// L2: the two chunks (2 x 64 KB at head_dim 64) do not fit an L1 beside the ones being read.
+// Each row tile of the task fetches its share (every `shares`-th step), so the fetches spread
+// over the whole task: issued by the first tile alone they came in a burst that filled the
+// core's miss buffers and stalled its arithmetic, and a multi-row task's memory time and
+// compute time added up. (On a 2-core Xeon these three, L2, the next task whatever its head,
+// the spread, took 4 tokens' attention over 30 layers at 4k context ~16% less time than the
+// same head's next chunk fetched into L1 by the first tile; one token ~10%, a batch of 8 at
+// 4k ~9-12%.)
 inline void fetch(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 
 inline float hsum(__m256 v) {
