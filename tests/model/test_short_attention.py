@@ -20,10 +20,15 @@ BUILDS = [sa.build_flags()] + ([sa.FLAGS] if sa.build_flags() != sa.FLAGS else [
 
 
 @pytest.fixture(params=BUILDS, ids=lambda flags: "avx512" if "-mavx512f" in flags else "avx2", scope="module")
-def kernel(request):
+def build(request):
     module = sa.build(request.param)
     assert module is not None
-    return module.short_attention
+    return module
+
+
+@pytest.fixture(scope="module")
+def kernel(build):
+    return build.short_attention
 
 
 def reference(q, keys, values, limits):
@@ -124,9 +129,9 @@ def test_the_switch_turns_the_kernel_off_for_models_built_after_it():
     assert not sa.kernel_applies(True, torch.device("cpu"), 48)
 
 
-@pytest.fixture(params=BUILDS, ids=lambda flags: "avx512" if "-mavx512f" in flags else "avx2", scope="module")
-def row_norm(request):
-    return sa.build(request.param).rms_norm_rows
+@pytest.fixture(scope="module")
+def row_norm(build):
+    return build.rms_norm_rows
 
 
 def test_the_row_norm_is_llamas_rms_norm_and_each_rows_bits_are_its_own(row_norm):
@@ -156,11 +161,10 @@ def test_the_row_norm_refuses_what_it_cannot_norm(row_norm):
 needs_linear_kernel = pytest.mark.skipif(sa.linear_kernel() is None, reason="the fp16 linears need the kernel build")
 
 
-@pytest.fixture(params=BUILDS, ids=lambda flags: "avx512" if "-mavx512f" in flags else "avx2", scope="module")
-def linear_build(request):
-    module = sa.build(request.param)
-    assert module is not None and module.fp16_linear_available()
-    return module
+@pytest.fixture(scope="module")
+def linear_build(build):
+    assert build.fp16_linear_available()
+    return build
 
 
 @needs_linear_kernel
