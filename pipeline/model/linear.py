@@ -1,7 +1,10 @@
 """Linear layers in the engine's compute modes.
 
 `fp32` is the exact reference. `bf16` keeps weights and activations in bfloat16
-(the GPU default). `fp16w` stores weights in fp16 packed for FBGEMM and keeps
+(the GPU default); on a CPU with the kernel build its decode and verify blocks run the
+project's kernel over bf16 weights (one FMA chain per output in fp32, rounded to bf16 once),
+because oneDNN's bf16 kernels round a row differently as the number of rows changes
+(precision.py). `fp16w` stores weights in fp16 packed for FBGEMM and keeps
 activations and accumulation in fp32: on CPU a 1-row product is memory bound, so
 halving the weight bytes is what makes a decode step fast, and FBGEMM's fp16
 kernel costs nearly the same for 2-4 rows as for one, which is what makes
@@ -40,8 +43,10 @@ class ComputeMode(str, enum.Enum):
 
 DTYPE_CHOICES = ("auto", "fp32", "fp16w", "bf16")
 
-# Above this many rows a product is compute bound: fp16w mode uses its fp32 copy.
-FP16W_MAX_ROWS = 32
+# Up to this many rows (decode and verify blocks, alone or batched) a product takes the packed
+# 16-bit weights; above, it is compute bound (a prefill chunk) and takes PyTorch's linear: fp16w
+# over its fp32 copy, bf16 over its bf16 weights.
+KERNEL_MAX_ROWS = 32
 
 
 def resolve_compute_mode(dtype: str, device: torch.device | str) -> ComputeMode:
@@ -70,36 +75,49 @@ def fp16w_available() -> bool:
 class Linear:
     """y = x W^T + b for x of shape [rows, in_features], in one compute mode."""
 
-    __slots__ = ("weight", "bias", "mode", "_packed", "_kernel")
+    __slots__ = ("weight", "bias", "mode", "_packed", "_kernel", "_kernel_bias")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: ComputeMode) -> None:
         self.mode = mode
         dtype = mode.activation_dtype
         self.weight = weight.to(dtype).contiguous()  # [out, in]
         self.bias = None if bias is None else bias.to(dtype).contiguous()
-        self._packed = self._kernel = None
-        if mode is ComputeMode.FP16W:
-            self._kernel = short_attention.linear_kernel()
-            if self._kernel is not None:
-                self._packed = self._kernel.fp16_linear_pack(self.weight)
-            else:
-                self._packed = torch.ops.quantized.linear_prepack_fp16(self.weight, self.bias)
+        self._packed = self._kernel = self._kernel_bias = None
+        if mode is ComputeMode.FP32 or self.weight.device.type != "cpu":
+            return
+        self._kernel = short_attention.linear_kernel()
+        if self._kernel is not None:
+            # bf16: a second copy of the weights, packed (the prefill's linear reads the first).
+            self._packed = self._kernel.half_linear_pack(self.weight, mode is ComputeMode.BF16)
+            self._kernel_bias = None if self.bias is None else self.bias.float()
+        elif mode is ComputeMode.FP16W:
+            self._packed = torch.ops.quantized.linear_prepack_fp16(self.weight, self.bias)
 
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    @property
+    def packed(self) -> bool:
+        """Whether short blocks take packed 16-bit weights (and so the kernel each row would get alone)."""
+        return self._packed is not None
+
     def __call__(self, x: torch.Tensor, packed: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """`packed` (fp16w mode): use the fp16 kernel (True) or the fp32 copy (False) whatever the
-        rows; None chooses by the rows. A batch passes the choice each request would get alone.
-        `out` (contiguous [rows, out_features]): where the result goes, so that a batch's row
-        ranges fill one tensor instead of being concatenated (the copy of a prefill chunk's rows
-        cost 5-10% of its step); the same kernel as without it, so the same bits."""
-        if self._packed is not None and (x.shape[0] <= FP16W_MAX_ROWS if packed is None else packed):
-            if self._kernel is not None:
-                return self._kernel.fp16_linear(x, self._packed, self.bias, self.out_features, out)
-            y = torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
-            return y if out is None else out.copy_(y)
+        """`packed`: use the packed 16-bit weights (True) or PyTorch's linear over the plain ones
+        (False) whatever the rows; None chooses by the rows. A batch passes the choice each
+        request would get alone. `out` (contiguous [rows, out_features]): where the result goes,
+        so that a batch's row ranges fill one tensor instead of being concatenated (the copy of
+        a prefill chunk's rows cost 5-10% of its step); the same kernel as without it, so the
+        same bits."""
+        if self._packed is not None and (x.shape[0] <= KERNEL_MAX_ROWS if packed is None else packed):
+            if self._kernel is None:
+                y = torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
+                return y if out is None else out.copy_(y)
+            if x.dtype == torch.float32:
+                return self._kernel.half_linear(x, self._packed, self._kernel_bias, self.out_features, out)
+            # bf16 rows widen exactly; the fp32 sums are rounded to bf16 once, as oneDNN rounds its own.
+            y = self._kernel.half_linear(x.float(), self._packed, self._kernel_bias, self.out_features, None)
+            return y.to(x.dtype) if out is None else out.copy_(y)
         if out is None:
             return F.linear(x, self.weight, self.bias)
         # What F.linear runs for a matrix: addmm with a bias, mm without.

@@ -10,13 +10,19 @@ of values (flash decoding: chunks of keys in parallel, combined exactly).
 
 The same build carries the mode's RMS norm of fp32 rows (`csrc/row_norm.cpp`,
 `rms_norm_rows`): a decode step norms one row 61 times, where PyTorch's dispatch costs
-more than the arithmetic. And the mode's linears for decode and verify blocks
-(`csrc/fp16_linear.cpp`, `linear_kernel`): fp16 weights, fp32 rows, bit-equal to FBGEMM's fp16
-kernel on the CPUs measured; the AVX-512 build in 0.5-0.7x its time at 1 to 32 rows.
+more than the arithmetic. And the linears of decode and verify blocks (`csrc/half_linear.cpp`,
+`linear_kernel`): fp16 or bf16 weights, fp32 rows, one FMA chain per output; with fp16 weights
+bit-equal to FBGEMM's fp16 kernel on the CPUs measured, the AVX-512 build in 0.5-0.7x its time
+at 1 to 32 rows.
+
+Every row's bits depend on that row alone, whatever else shares the call: with these kernels
+a request's greedy tokens are the same alone, speculative and batched, bit for bit, on any CPU
+(pipeline/model/precision.py says which mode guarantees what).
 
 Only x86 CPUs with AVX2 and FMA take it (`torch.backends.cpu.get_cpu_capability()`), built
-16 floats wide where that says AVX-512, and only in the `fp16w` mode: `fp32` stays the
-exact reference of transformers' own math.
+16 floats wide where that says AVX-512, and only in the `fp16w` and `bf16` modes (the bf16
+cache read as it lies, widened to fp32 as it is loaded): `fp32` stays the reference of
+transformers' own math.
 `use_kernel(False)` turns it off (for a comparison). A machine that cannot build it (no C++
 compiler) falls back to the matmuls, with one warning. The build lands under
 `~/.cache/knapspec-ray/kernels/`, keyed by the source, the flags, PyTorch's version and the
@@ -36,7 +42,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).with_name("csrc") / name for name in ("short_attention.cpp", "row_norm.cpp", "fp16_linear.cpp")
+    Path(__file__).with_name("csrc") / name for name in ("short_attention.cpp", "row_norm.cpp", "half_linear.cpp")
 )
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 AVX512_FLAGS = ("-mavx512f", "-mavx512vl")  # where the CPU has AVX-512: the 16-wide build
@@ -104,16 +110,20 @@ def build(flags: tuple[str, ...]) -> ModuleType | None:
     return module
 
 
-def kernel_applies(mode_is_fp16w: bool, device: torch.device, head_dim: int) -> bool:
-    """Whether a model in this mode, on this device, with this head size takes the kernel."""
-    return _enabled and mode_is_fp16w and device.type == "cpu" and head_dim in HEAD_DIMS and load_kernel() is not None
+def kernel_applies(mode_takes_kernel: bool, device: torch.device, head_dim: int) -> bool:
+    """Whether a model whose mode takes the kernel (fp16w, bf16), on this device, with this head size does."""
+    return (
+        _enabled and mode_takes_kernel and device.type == "cpu" and head_dim in HEAD_DIMS and load_kernel() is not None
+    )
 
 
 def short_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
-    """q [S, kv_heads, T * groups, head_dim] (fp32, already scaled; each KV head's rows by
-    position, then query head) over keys/values [S * kv_heads, n, head_dim]; position t of
-    slot s sees its keys [0, limits[s, t]) (int32 [S, T]). Returns q's shape."""
-    return _loaded().short_attention(q.contiguous(), keys, values, limits)
+    """q [S, kv_heads, T * groups, head_dim] (already scaled; each KV head's rows by position,
+    then query head) over keys/values [S * kv_heads, n, head_dim] (fp32, or bf16); position t of
+    slot s sees its keys [0, limits[s, t]) (int32 [S, T]). Returns q's shape and dtype: bf16
+    queries are widened to fp32 and the result rounded back, per element."""
+    out = _loaded().short_attention(q.float().contiguous(), keys, values, limits)
+    return out.to(q.dtype)
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -123,15 +133,15 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 
 def linear_kernel() -> ModuleType | None:
-    """The build, where it carries the fp16 linears (AVX-512, or AVX2 with F16C); None
-    elsewhere (the fp16w mode then runs FBGEMM's kernel). Not turned off by `use_kernel`,
-    which is about attention: the linears' bits are FBGEMM's either way."""
+    """The build, where it carries the 16-bit linears (AVX-512, or AVX2 with F16C); None
+    elsewhere (the fp16w mode then runs FBGEMM's kernel, the bf16 mode PyTorch's). Not turned
+    off by `use_kernel`, which is about attention."""
     kernel = load_kernel()
-    return kernel if kernel is not None and kernel.fp16_linear_available() else None
+    return kernel if kernel is not None and kernel.half_linear_available() else None
 
 
 def _loaded() -> ModuleType:
     kernel = load_kernel()
     if kernel is None:
-        raise RuntimeError("the fp16w mode's CPU kernels are not available on this machine")
+        raise RuntimeError("the CPU kernels of the fp16w and bf16 modes are not available on this machine")
     return kernel

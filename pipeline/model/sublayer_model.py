@@ -37,7 +37,7 @@ from pipeline.model.layers import (
     signed_sin,
     ungroup,
 )
-from pipeline.model.linear import FP16W_MAX_ROWS, ComputeMode, Linear
+from pipeline.model.linear import KERNEL_MAX_ROWS, ComputeMode, Linear
 from pipeline.model.packing import (
     PooledRows,
     RequestRows,
@@ -83,8 +83,9 @@ class SublayerModel:
         self._cos = torch.empty(0, 1, spec.head_dim, device=device)
         self._sin = torch.empty(0, 1, spec.head_dim, device=device)
         self._scale = spec.head_dim**-0.5
-        # Decode and verify attention through the fused CPU kernel (fp16w only: fp32 stays transformers' math).
-        self._kernel = kernel_applies(mode is ComputeMode.FP16W, torch.device(device), spec.head_dim)
+        # Decode and verify attention through the fused CPU kernel (fp16w and bf16; fp32 stays
+        # transformers' math): each row's bits its own, whatever shares the call.
+        self._kernel = kernel_applies(mode is not ComputeMode.FP32, torch.device(device), spec.head_dim)
         self.attention_route = KERNEL_ROUTE if self._kernel else MATMUL_ROUTE  # latency tables are per route
         # Sums the residual updates of a tensor-parallel group (pipeline/parallel/tensor_parallel.py):
         # with a shard of the heads and MLP columns, o_proj and down_proj give partial sums.
@@ -201,8 +202,8 @@ class SublayerModel:
         pooled, own = pooled_rows(spans, FUSED_ATTENTION_MIN_TOKENS)
         every_row_pooled = pooled is not None and not own
         masks = {j: block_mask(spans[j][2], spans[j][1], self.device) for j in own}
-        # Each request's rows through the kernel they would take alone (fp16w: by its own rows).
-        ranges = kernel_ranges([n for _, _, n in spans], FP16W_MAX_ROWS) if self.mode is ComputeMode.FP16W else None
+        # Each request's rows through the kernel they would take alone (packed weights: by its own rows).
+        ranges = kernel_ranges([n for _, _, n in spans], KERNEL_MAX_ROWS) if self.lm_head.packed else None
         for i, layer in enumerate(self.layers):
             attn_item, mlp_item = items.layer_items(i)
             if attn_item not in skip:
@@ -247,7 +248,7 @@ class SublayerModel:
     def batch_logits(self, h: torch.Tensor, wanted: Sequence[str], sizes: Sequence[int]) -> list[torch.Tensor | None]:
         """The LM head once over the packed rows [M, d] that need logits, split back per request."""
         rows = [n if choice == "all" else 1 for choice, n in zip(wanted, sizes) if choice != "none"]
-        packed = all(n <= FP16W_MAX_ROWS for n in rows)  # the kernel each request's rows get alone
+        packed = all(n <= KERNEL_MAX_ROWS for n in rows)  # the kernel each request's rows get alone
         return packed_logits(lambda x: self.logits(x, packed), h, wanted, sizes)
 
     @torch.inference_mode()
@@ -340,7 +341,7 @@ class SublayerModel:
     # -------------------------------------------------------------- sublayers
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self._kernel:  # (fp16w: fp32 rows)
+        if self._kernel and x.dtype == torch.float32:  # (fp16w; bf16 rows norm alike in PyTorch's ops)
             return rms_norm_rows(x, weight, self.spec.rms_norm_eps)
         return rms_norm(x, weight, self.spec.rms_norm_eps)
 

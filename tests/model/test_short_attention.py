@@ -76,6 +76,21 @@ def test_a_row_gets_the_same_bits_whatever_shares_its_call(kernel, n):
     assert torch.equal(inside.view(1, KV_HEADS, 4, GROUPS, head_dim)[:, :, 2], alone)
 
 
+def test_a_bf16_cache_gives_the_bits_of_the_same_cache_widened_to_fp32(kernel):
+    """The bf16 mode's cache is read as it lies: bf16 keys and values widen exactly, so the
+    arithmetic, and every bit of the result, is the fp32 kernel's over the widened cache."""
+    torch.manual_seed(3)
+    head_dim, block = 64, 4
+    q = torch.randn(2, KV_HEADS, GROUPS * block, head_dim) * head_dim**-0.5
+    keys = torch.randn(2 * KV_HEADS, 700, head_dim).bfloat16()
+    values = torch.randn(2 * KV_HEADS, 700, head_dim).bfloat16()
+    limits = torch.tensor([[300, 301, 302, 303], [697, 698, 699, 700]], dtype=torch.int32)
+    out = kernel(q, keys, values, limits)
+    assert torch.equal(out, kernel(q, keys.float(), values.float(), limits))
+    with pytest.raises(RuntimeError, match="both fp32 or both bf16"):
+        kernel(q, keys, values.float(), limits)
+
+
 def test_a_row_that_sees_no_key_is_zero():
     q = torch.randn(1, 1, 2, 32)
     keys, values = torch.randn(1, 8, 32), torch.randn(1, 8, 32)
@@ -125,7 +140,7 @@ def test_the_switch_turns_the_kernel_off_for_models_built_after_it():
     finally:
         sa.use_kernel(True)
     assert sa.kernel_applies(True, torch.device("cpu"), 64)
-    assert not sa.kernel_applies(False, torch.device("cpu"), 64)  # fp32 stays the reference
+    assert not sa.kernel_applies(False, torch.device("cpu"), 64)  # (fp32 stays the reference)
     assert not sa.kernel_applies(True, torch.device("cpu"), 48)
 
 
@@ -158,12 +173,12 @@ def test_the_row_norm_refuses_what_it_cannot_norm(row_norm):
         row_norm(torch.ones(2, 8), torch.ones(6), 1e-5)
 
 
-needs_linear_kernel = pytest.mark.skipif(sa.linear_kernel() is None, reason="the fp16 linears need the kernel build")
+needs_linear_kernel = pytest.mark.skipif(sa.linear_kernel() is None, reason="the 16-bit linears need the kernel build")
 
 
 @pytest.fixture(scope="module")
 def linear_build(build):
-    assert build.fp16_linear_available()
+    assert build.half_linear_available()
     return build
 
 
@@ -175,10 +190,10 @@ def test_the_fp16_linear_is_fbgemms_and_each_rows_bits_are_its_own(linear_build,
     generator = torch.Generator().manual_seed(5)
     weight = torch.randn(shape, generator=generator) * 0.05
     bias = torch.randn(shape[0], generator=generator) if with_bias else None
-    packed = kernel.fp16_linear_pack(weight)
+    packed = kernel.half_linear_pack(weight, False)
     fbgemm = torch.ops.quantized.linear_prepack_fp16(weight, bias)
     x = torch.randn(32, shape[1], generator=generator)
-    got = kernel.fp16_linear(x, packed, bias, shape[0], None)
+    got = kernel.half_linear(x, packed, bias, shape[0], None)
     expected = x.double() @ weight.half().double().t() + (0 if bias is None else bias.double())
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
     # The same bits as FBGEMM's fp16 kernel (the mode ran that alone before: stored tables and
@@ -187,32 +202,83 @@ def test_the_fp16_linear_is_fbgemms_and_each_rows_bits_are_its_own(linear_build,
     for rows in (1, 2, 3, 5, 6, 7, 8, 9, 13, 17, 32):
         assert torch.equal(got[:rows], torch.ops.quantized.linear_dynamic_fp16(x[:rows], fbgemm))
     for r in (0, 7, 8, 31):  # a row alone, or among others at another place: its own bits
-        assert torch.equal(kernel.fp16_linear(x[r : r + 1], packed, bias, shape[0], None), got[r : r + 1])
-        assert torch.equal(kernel.fp16_linear(x[[r, 3, 4]], packed, bias, shape[0], None)[:1], got[r : r + 1])
+        assert torch.equal(kernel.half_linear(x[r : r + 1], packed, bias, shape[0], None), got[r : r + 1])
+        assert torch.equal(kernel.half_linear(x[[r, 3, 4]], packed, bias, shape[0], None)[:1], got[r : r + 1])
     out = torch.full((32, shape[0]), float("nan"))
-    assert kernel.fp16_linear(x, packed, bias, shape[0], out) is out and torch.equal(out, got)
+    assert kernel.half_linear(x, packed, bias, shape[0], out) is out and torch.equal(out, got)
+
+
+def bf16_sums_in_order(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 sums of bf16 products, one output at a time over k in order, then the bias: what
+    every build must give bit for bit (a bf16 product is exact in fp32, so an FMA and a
+    product then a sum round alike)."""
+    x32, w32 = x.float(), weight.float()
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    for k in range(x.shape[1]):
+        acc = acc + x32[:, k : k + 1] * w32[:, k]
+    return acc if bias is None else acc + bias.float()
+
+
+@needs_linear_kernel
+@pytest.mark.parametrize("shape", [(960, 576), (100, 40), (7, 3)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_bf16_linear_sums_in_order_and_each_rows_bits_are_its_own(linear_build, shape, with_bias):
+    """The bf16 mode's short blocks: bf16 weights widened exactly, one fp32 sum per output over k
+    in order, in both builds; so a row's bits are the same in a 1-row decode, an 11-row verify
+    and a 32-row batch, on any x86 CPU (oneDNN's bf16 kernels were not: see precision.py)."""
+    kernel = linear_build
+    generator = torch.Generator().manual_seed(8)
+    weight = (torch.randn(shape, generator=generator) * 0.05).bfloat16()
+    bias = torch.randn(shape[0], generator=generator).bfloat16() if with_bias else None
+    packed = kernel.half_linear_pack(weight, True)
+    assert packed.dtype == torch.bfloat16
+    x = torch.randn(32, shape[1], generator=generator).bfloat16().float()
+    got = kernel.half_linear(x, packed, None if bias is None else bias.float(), shape[0], None)
+    assert torch.equal(got, bf16_sums_in_order(x, weight, bias))
+    for rows in (1, 2, 3, 5, 9, 11, 17):
+        assert torch.equal(kernel.half_linear(x[:rows], packed, None if bias is None else bias.float(), shape[0], None), got[:rows])
 
 
 @needs_linear_kernel
 def test_the_fp16_linear_refuses_what_it_cannot_multiply(linear_build):
     kernel = linear_build
-    packed = kernel.fp16_linear_pack(torch.ones(48, 8))
+    packed = kernel.half_linear_pack(torch.ones(48, 8), False)
     with pytest.raises(RuntimeError, match="fp32"):
-        kernel.fp16_linear(torch.ones(2, 8, dtype=torch.float64), packed, None, 48, None)
+        kernel.half_linear(torch.ones(2, 8, dtype=torch.float64), packed, None, 48, None)
     with pytest.raises(RuntimeError, match="packed"):
-        kernel.fp16_linear(torch.ones(2, 6), packed, None, 48, None)
+        kernel.half_linear(torch.ones(2, 6), packed, None, 48, None)
+    with pytest.raises(RuntimeError, match="packed"):
+        kernel.half_linear(torch.ones(2, 8), packed.float(), None, 48, None)
     with pytest.raises(RuntimeError, match="out"):
-        kernel.fp16_linear(torch.ones(2, 8), packed, None, 48, torch.empty(3, 48))
+        kernel.half_linear(torch.ones(2, 8), packed, None, 48, torch.empty(3, 48))
 
 
 @needs_linear_kernel
 def test_a_fp16w_linear_takes_the_kernel_for_short_blocks_and_the_fp32_copy_for_long_ones():
-    from pipeline.model.linear import FP16W_MAX_ROWS, ComputeMode, Linear
+    from pipeline.model.linear import KERNEL_MAX_ROWS, ComputeMode, Linear
 
     generator = torch.Generator().manual_seed(6)
     weight, bias = torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator)
     linear = Linear(weight, bias, ComputeMode.FP16W)
-    x = torch.randn(FP16W_MAX_ROWS + 1, 64, generator=generator)
-    assert torch.equal(linear(x[:4]), sa.linear_kernel().fp16_linear(x[:4], linear._packed, bias, 96, None))
+    x = torch.randn(KERNEL_MAX_ROWS + 1, 64, generator=generator)
+    assert torch.equal(linear(x[:4]), sa.linear_kernel().half_linear(x[:4], linear._packed, bias, 96, None))
     torch.testing.assert_close(linear(x), x @ weight.t() + bias, rtol=1e-5, atol=1e-5)  # fp32 weights
     assert not torch.equal(linear(x)[:4], linear(x[:4]))  # (fp16 weights round differently)
+
+
+@needs_linear_kernel
+def test_a_bf16_linear_rounds_the_kernels_sums_once_for_short_blocks():
+    from pipeline.model.linear import KERNEL_MAX_ROWS, ComputeMode, Linear
+
+    generator = torch.Generator().manual_seed(7)
+    weight, bias = torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator)
+    linear = Linear(weight, bias, ComputeMode.BF16)
+    x = torch.randn(KERNEL_MAX_ROWS + 1, 64, generator=generator).bfloat16()
+    short = linear(x[:KERNEL_MAX_ROWS])
+    assert short.dtype == torch.bfloat16
+    assert torch.equal(short, bf16_sums_in_order(x[:KERNEL_MAX_ROWS], linear.weight, linear.bias).bfloat16())
+    assert all(torch.equal(linear(x[r : r + 1]), short[r : r + 1]) for r in range(KERNEL_MAX_ROWS))
+    out = torch.empty(3, 96, dtype=torch.bfloat16)
+    assert linear(x[:3], out=out) is out and torch.equal(out, short[:3])
+    # A prefill chunk takes PyTorch's bf16 linear over the same weights.
+    torch.testing.assert_close(linear(x).float(), (x.float() @ linear.weight.float().t() + bias), rtol=2e-2, atol=5e-2)

@@ -11,6 +11,10 @@
 // Each row's result depends only on its query, its keys and their fixed chunking, never on
 // which other rows or requests share the call, so a request gives the same bits alone and
 // inside a batch.
+//
+// Keys and values are fp32 (the fp16w mode's cache) or bf16 (the bf16 mode's), widened exactly
+// to fp32 as they are loaded: the arithmetic, and so the bits, are those of the fp32 kernel over
+// the widened cache.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -37,7 +41,15 @@ constexpr int64_t kRowTile = 4;
 // the spread, took 4 tokens' attention over 30 layers at 4k context ~16% less time than the
 // same head's next chunk fetched into L1 by the first tile; one token ~10%, a batch of 8 at
 // 4k ~9-12%.)
-inline void fetch(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
+template <typename T>
+inline void fetch(const T* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
+
+// 8 keys' or values' floats from fp32, or from bf16 (its bits the top half of an fp32's).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -65,6 +77,12 @@ inline __m256 exp_nonpositive(__m256 x) {
 }
 
 #ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 // The same polynomial, 16 lanes wide.
 inline __m512 exp_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -122,9 +140,9 @@ inline __m256 tile_sums(const __m256* a0, const __m256* a1) {
 // `ahead`: the next task's keys, so that a one-row decode at long context streams memory
 // instead of waiting on each chunk's first miss (the AVX-512 build without it took a 1-row
 // decode's attention over 30 layers at 4k context ~9% longer, at 1k ~30%, on a 2-core Xeon).
-template <int64_t D>
-void tile_scores(const float* q, const float* keys, int64_t key_stride, int64_t m0, int64_t rows,
-                 int64_t num_keys, float* scores, const float* ahead, int64_t share, int64_t shares) {
+template <int64_t D, typename T>
+void tile_scores(const float* q, const T* keys, int64_t key_stride, int64_t m0, int64_t rows,
+                 int64_t num_keys, float* scores, const T* ahead, int64_t share, int64_t shares) {
 #ifdef __AVX512F__
   static_assert(D % 16 == 0, "head_dim in steps of 16");
   constexpr int64_t kKeys = 4;
@@ -134,13 +152,13 @@ void tile_scores(const float* q, const float* keys, int64_t key_stride, int64_t 
       for (int64_t t = 0; t < kKeys; ++t)
         for (int64_t l = 0; l < D; l += 16) fetch(ahead + (j + t) * key_stride + l);
     }
-    const float* k[kKeys];
+    const T* k[kKeys];
     for (int64_t t = 0; t < kKeys; ++t) k[t] = keys + std::min(j + t, num_keys - 1) * key_stride;
     __m512 a[kRowTile * kKeys];
     for (int64_t i = 0; i < kRowTile * kKeys; ++i) a[i] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {
       __m512 x[kKeys];
-      for (int64_t t = 0; t < kKeys; ++t) x[t] = _mm512_loadu_ps(k[t] + d);
+      for (int64_t t = 0; t < kKeys; ++t) x[t] = load16(k[t] + d);
       for (int64_t i = 0; i < kRowTile; ++i) {
         const __m512 qi = _mm512_loadu_ps(q + (m0 + i) * D + d);
         for (int64_t t = 0; t < kKeys; ++t) a[kKeys * i + t] = _mm512_fmadd_ps(qi, x[t], a[kKeys * i + t]);
@@ -157,12 +175,12 @@ void tile_scores(const float* q, const float* keys, int64_t key_stride, int64_t 
       for (int64_t t = 0; t < 2; ++t)
         for (int64_t l = 0; l < D; l += 16) fetch(ahead + (j + t) * key_stride + l);
     }
-    const float* k0 = keys + j * key_stride;
-    const float* k1 = j + 1 < num_keys ? k0 + key_stride : k0;
+    const T* k0 = keys + j * key_stride;
+    const T* k1 = j + 1 < num_keys ? k0 + key_stride : k0;
     __m256 a0[kRowTile], a1[kRowTile];
     for (int64_t i = 0; i < kRowTile; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
-      const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d);
+      const __m256 x0 = load8(k0 + d), x1 = load8(k1 + d);
       for (int64_t i = 0; i < kRowTile; ++i) {
         const __m256 qi = _mm256_loadu_ps(q + (m0 + i) * D + d);
         a0[i] = _mm256_fmadd_ps(qi, x0, a0[i]);
@@ -242,9 +260,9 @@ inline void row_softmax(float* s, int64_t n, int64_t reach, float* max_out, floa
 // its tile. Every row of the tile is stored (`out` has whole tiles): a store loop bounded by
 // `rows` made GCC keep the sums in memory, a load and a store per FMA. `ahead`: the next
 // task's values, fetched during the first pass.
-template <int64_t D>
-void tile_values(const float* scores, int64_t m0, int64_t rows, int64_t reach, const float* values,
-                 int64_t value_stride, float* out, const float* ahead, int64_t share, int64_t shares) {
+template <int64_t D, typename T>
+void tile_values(const float* scores, int64_t m0, int64_t rows, int64_t reach, const T* values,
+                 int64_t value_stride, float* out, const T* ahead, int64_t share, int64_t shares) {
   const float* p[kRowTile];
   for (int64_t i = 0; i < kRowTile; ++i) p[i] = scores + (m0 + std::min(i, rows - 1)) * kChunk;
 #ifdef __AVX512F__
@@ -257,9 +275,9 @@ void tile_values(const float* scores, int64_t m0, int64_t rows, int64_t reach, c
     for (int64_t j = 0; j < reach; ++j) {
       if (ahead && b == 0 && j % shares == share)
         for (int64_t l = 0; l < D; l += 16) fetch(ahead + j * value_stride + l);
-      const float* v = values + j * value_stride + b;
+      const T* v = values + j * value_stride + b;
       __m512 x[kVecs];
-      for (int64_t c = 0; c < kVecs; ++c) x[c] = _mm512_loadu_ps(v + 16 * c);
+      for (int64_t c = 0; c < kVecs; ++c) x[c] = load16(v + 16 * c);
       for (int64_t i = 0; i < kRowTile; ++i) {
         const __m512 w = _mm512_set1_ps(p[i][j]);
         for (int64_t c = 0; c < kVecs; ++c) acc[i][c] = _mm512_fmadd_ps(w, x[c], acc[i][c]);
@@ -275,8 +293,8 @@ void tile_values(const float* scores, int64_t m0, int64_t rows, int64_t reach, c
     for (int64_t j = 0; j < reach; ++j) {
       if (ahead && b == 0 && j % shares == share)
         for (int64_t l = 0; l < D; l += 16) fetch(ahead + j * value_stride + l);
-      const float* v = values + j * value_stride + b;
-      const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+      const T* v = values + j * value_stride + b;
+      const __m256 v0 = load8(v), v1 = load8(v + 8);
       for (int64_t i = 0; i < kRowTile; ++i) {
         const __m256 w = _mm256_broadcast_ss(p[i] + j);
         acc[i][0] = _mm256_fmadd_ps(w, v0, acc[i][0]);
@@ -291,7 +309,8 @@ void tile_values(const float* scores, int64_t m0, int64_t rows, int64_t reach, c
 #endif
 }
 
-template <int64_t D>
+// T: the cache's element, float or uint16_t (bf16's bits).
+template <int64_t D, typename T>
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                      const torch::Tensor& limits) {
   const int64_t num_slots = q.size(0), num_heads = q.size(1), num_rows = q.size(2), block = limits.size(1);
@@ -303,8 +322,8 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
   auto partial = torch::empty({num_slots * num_heads, num_chunks, tiled_rows, D}, options);
   auto stats = torch::empty({num_slots * num_heads, num_chunks, num_rows, 2}, options);
   const float* qp = q.data_ptr<float>();
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
+  const T* kp = static_cast<const T*>(keys.data_ptr());
+  const T* vp = static_cast<const T*>(values.data_ptr());
   const int32_t* lp = limits.data_ptr<int32_t>();
   float* pp = partial.data_ptr<float>();
   float* sp = stats.data_ptr<float>();
@@ -319,8 +338,8 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
       const int64_t head = task / num_chunks, chunk = task % num_chunks, slot = head / num_heads;
       const int64_t first = chunk * kChunk;
       std::copy(qp + head * num_rows * D, qp + (head + 1) * num_rows * D, qtile.begin());
-      const float* kh = kp + head * k_head + first * k_key;
-      const float* vh = vp + head * v_head + first * v_key;
+      const T* kh = kp + head * k_head + first * k_key;
+      const T* vh = vp + head * v_head + first * v_key;
       for (int64_t m = 0; m < num_rows; ++m)
         counts[m] = std::clamp<int64_t>(lp[slot * block + m / groups] - first, 0, kChunk);
       float* out = pp + (head * num_chunks + chunk) * tiled_rows * D;
@@ -328,8 +347,8 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
       // The next task of this thread, of this head or the next: its chunk is fetched meanwhile.
       const bool more = task + 1 < end;
       const int64_t next_head = (task + 1) / num_chunks, next_first = (task + 1) % num_chunks * kChunk;
-      const float* keys_ahead = more ? kp + next_head * k_head + next_first * k_key : nullptr;
-      const float* values_ahead = more ? vp + next_head * v_head + next_first * v_key : nullptr;
+      const T* keys_ahead = more ? kp + next_head * k_head + next_first * k_key : nullptr;
+      const T* values_ahead = more ? vp + next_head * v_head + next_first * v_key : nullptr;
       const int64_t shares = tiled_rows / kRowTile;
       for (int64_t m0 = 0; m0 < num_rows; m0 += kRowTile) {
         const int64_t rows = std::min(kRowTile, num_rows - m0);
@@ -383,41 +402,44 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const to
 
 // q [slots, kv_heads, T * groups, head_dim] fp32 contiguous, already scaled: each KV head's
 // rows by position, then query head (row m is position m / groups of the slot's block);
-// keys and values [slots * kv_heads, >= keys seen, head_dim] fp32 with unit stride along
-// head_dim; limits [slots, T] int32: position t of a slot's block attends to its keys
+// keys and values [slots * kv_heads, >= keys seen, head_dim], both fp32 or both bf16, with unit
+// stride along head_dim; limits [slots, T] int32: position t of a slot's block attends to its keys
 // [0, limit). Returns [slots, kv_heads, T * groups, head_dim]. Rows by position keep a
 // block's padding (positions past a slot's own rows) out of its real rows' tiles.
 torch::Tensor short_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor limits) {
   TORCH_CHECK(q.dim() == 4 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "q: [S, H, M, D] fp32 contiguous");
   TORCH_CHECK(keys.dim() == 3 && values.dim() == 3 && keys.stride(2) == 1 && values.stride(2) == 1,
               "keys/values: [S * H, n, D] with unit stride along D");
-  TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && values.scalar_type() == torch::kFloat32, "keys/values: fp32");
+  const bool bf16 = keys.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK((keys.scalar_type() == torch::kFloat32 || bf16) && values.scalar_type() == keys.scalar_type(),
+              "keys/values: both fp32 or both bf16");
   TORCH_CHECK(keys.size(0) == q.size(0) * q.size(1) && values.size(0) == keys.size(0), "one key head per (slot, head)");
   TORCH_CHECK(limits.dim() == 2 && limits.scalar_type() == torch::kInt32 && limits.is_contiguous() &&
                   limits.size(0) == q.size(0) && limits.size(1) > 0 && q.size(2) % limits.size(1) == 0,
               "limits: [S, T] int32, T dividing q's rows");
   TORCH_CHECK(limits.numel() == 0 || limits.max().item<int32_t>() <= keys.size(1), "a limit past the keys");
   switch (q.size(3)) {
-    case 16: return attend<16>(q, keys, values, limits);
-    case 32: return attend<32>(q, keys, values, limits);
-    case 64: return attend<64>(q, keys, values, limits);
-    case 128: return attend<128>(q, keys, values, limits);
+    case 16: return bf16 ? attend<16, uint16_t>(q, keys, values, limits) : attend<16, float>(q, keys, values, limits);
+    case 32: return bf16 ? attend<32, uint16_t>(q, keys, values, limits) : attend<32, float>(q, keys, values, limits);
+    case 64: return bf16 ? attend<64, uint16_t>(q, keys, values, limits) : attend<64, float>(q, keys, values, limits);
+    case 128:
+      return bf16 ? attend<128, uint16_t>(q, keys, values, limits) : attend<128, float>(q, keys, values, limits);
     default: TORCH_CHECK(false, "head_dim must be 16, 32, 64 or 128, got ", q.size(3));
   }
 }
 
 torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, double eps);  // row_norm.cpp
-// fp16_linear.cpp
-bool fp16_linear_available();
-torch::Tensor fp16_linear_pack(const torch::Tensor& weight);
-torch::Tensor fp16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+// half_linear.cpp
+bool half_linear_available();
+torch::Tensor half_linear_pack(const torch::Tensor& weight, bool bf16);
+torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features, const c10::optional<torch::Tensor>& out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("short_attention", &short_attention);
   m.def("rms_norm_rows", &rms_norm_rows);
-  m.def("fp16_linear_available", &fp16_linear_available);
-  m.def("fp16_linear_pack", &fp16_linear_pack);
-  m.def("fp16_linear", &fp16_linear, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"),
+  m.def("half_linear_available", &half_linear_available);
+  m.def("half_linear_pack", &half_linear_pack, pybind11::arg("weight"), pybind11::arg("bf16"));
+  m.def("half_linear", &half_linear, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"),
         pybind11::arg("out_features"), pybind11::arg("out"));
 }
