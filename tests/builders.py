@@ -285,20 +285,18 @@ def weight_skipped_per_stage(pipeline, weights: list[int], items_per_stage: int 
     return skipped
 
 
-# Batched kernels may round a row differently from the request alone (DESIGN.md §4): a
-# token may differ only where the request alone had its top-2 logits this close.
-NEAR_TIE = 1e-4
-
-
 def assert_same_or_near_tie(
     model, prompt: torch.Tensor, got: list[int], expected: list[int], params: SamplingParams = SamplingParams()
 ) -> None:
-    """Equal tokens, or a first difference where the request alone had nearly tied top-2 logits
-    (processed by `params`' repetition control, which is what its greedy choice read)."""
+    """Tokens as the model's mode promises (pipeline/model/precision.py): equal where it is
+    row-exact; else equal, or a first difference where the request alone had its top-2 logits
+    within the mode's tie gap (after `params`' repetition control, which its greedy choice read)."""
     if got == expected:
         return
+    promise = model.exactness
     first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
     assert first < min(len(got), len(expected)), f"one stopped early: {len(got)} vs {len(expected)} tokens"
+    assert not promise.row_exact, f"{promise.describe()}, yet token {first} differs: {got[first]} vs {expected[first]}"
     cache = model.new_cache(prompt.numel() + first + 1)
     logits = model.prefill(cache, torch.cat([prompt, torch.tensor(expected[:first], dtype=torch.long)]))
     repetition = params.repetition(prompt.tolist())
@@ -306,8 +304,8 @@ def assert_same_or_near_tie(
         repetition.extend(expected[:first])
         logits = repetition.process_row(logits)
     top2 = logits.topk(2).values
-    gap = float(top2[0] - top2[1])
-    assert gap < NEAR_TIE, f"token {first} differs in the batch without a near-tie (top-2 gap {gap:.2e})"
+    gap, bound = float(top2[0] - top2[1]), promise.tie_gap(logits)
+    assert gap < bound, f"token {first} differs without a near-tie (top-2 gap {gap:.2e}, {promise.describe()})"
 
 
 def repeating_prompt(n: int, seed: int) -> torch.Tensor:

@@ -75,7 +75,7 @@ def fp16w_available() -> bool:
 class Linear:
     """y = x W^T + b for x of shape [rows, in_features], in one compute mode."""
 
-    __slots__ = ("weight", "bias", "mode", "_packed", "_kernel", "_kernel_bias")
+    __slots__ = ("_kernel", "_kernel_bias", "_packed", "bias", "mode", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: ComputeMode) -> None:
         self.mode = mode

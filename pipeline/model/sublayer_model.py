@@ -46,6 +46,7 @@ from pipeline.model.packing import (
     packed_logits,
     pooled_rows,
 )
+from pipeline.model.precision import Exactness, exactness
 from pipeline.model.short_attention import KERNEL_ROUTE, MATMUL_ROUTE, kernel_applies, rms_norm_rows
 from pipeline.model.spec import ModelSpec
 from pipeline.model.weights import LayerWeights, read_weights
@@ -118,6 +119,11 @@ class SublayerModel:
             max_context=max_context_of(config, spec),
             device=device,
         )
+
+    @property
+    def exactness(self) -> Exactness:
+        """What this model promises for a request's greedy tokens alone, speculative and batched."""
+        return exactness(self.mode, row_kernels=self._kernel and self.lm_head.packed)
 
     # ------------------------------------------------------------------ caches
 

@@ -25,7 +25,8 @@ from tests.builders import (
 EOS = frozenset({2})
 
 
-@pytest.mark.parametrize("mode", ["fp32", *(["fp16w"] if fp16w_available() else [])])
+@pytest.mark.exactness
+@pytest.mark.parametrize("mode", ["fp32", *(["fp16w"] if fp16w_available() else []), "bf16"])
 def test_greedy_tokens_in_a_batch_equal_each_request_alone(tiny_checkpoint, mode):
     _, model = load_tiny(tiny_checkpoint, mode)
     prompts = [repeating_prompt(n, seed) for seed, n in enumerate((5, 40, 90, 23, 60))]
@@ -90,6 +91,7 @@ def test_speculative_sampling_in_a_batch_matches_the_model_distribution(tiny_lla
 
 
 @pytest.mark.slow
+@pytest.mark.exactness
 def test_real_documents_decoded_together_keep_their_tokens():
     """SmolLM2 in the CPU default mode, four sample documents of different lengths decoded in one
     batch, plain and with prompt lookup, against each decoded alone with `ar`."""

@@ -12,7 +12,8 @@ from pipeline.decoding.hf_reference import run_hf_generate
 from pipeline.decoding.loop import DecodeConfig, decode, prefill
 from pipeline.decoding.sampling import SamplingParams, accept_greedy, probabilities
 from pipeline.errors import ConfigError
-from tests.builders import SampleTally, exact_joint_law, load_tiny
+from pipeline.model import short_attention
+from tests.builders import SampleTally, assert_same_or_near_tie, exact_joint_law, load_tiny
 
 EOS = frozenset({2})
 
@@ -26,30 +27,36 @@ def run(model, prompt, drafter, max_new=30, params=SamplingParams(), eos=EOS):
     return decode(model, prefill(model, prompt, max_new), config, params, drafter)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_greedy_ar_and_static_equal_hf_generate(tiny_checkpoint, seed):
+    """fp32 promises equal tokens up to near-ties (pipeline/model/precision.py); these prompts
+    have none, so every token is equal, but the check is the promise."""
     hf, model = load_tiny(tiny_checkpoint)
     prompt = prompt_ids(40, seed)
     reference = run_hf_generate(hf, prompt, 30, EOS, SamplingParams(), pad_token_id=0).token_ids
     ar = run(model, prompt, NoDraft())
-    assert ar.token_ids == reference
+    assert_same_or_near_tie(model, prompt, ar.token_ids, reference)
     # Threshold 0 drafts every step, so rejections and partial acceptance are exercised.
     for skip in ([1, 3], default_static_skip(model.spec.num_layers), [2, 3, 4, 5]):
         drafter = LayerSkipDrafter(skip, model.spec.num_items, max_draft=3, confidence_threshold=0.0)
         spec = run(model, prompt, drafter)
-        assert spec.token_ids == reference, f"skip {skip}"
+        assert_same_or_near_tie(model, prompt, spec.token_ids, reference)
         assert spec.stats.drafted_tokens > 0
         assert spec.stats.steps < len(reference)  # some drafts were accepted
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("mode", ["fp16w", "bf16"])
 def test_greedy_static_equals_ar_in_every_mode(tiny_llama, mode):
+    """Row-exact with the kernel build: equal token for token (else up to near-ties)."""
     _, model = load_tiny(tiny_llama, mode)
+    assert model.exactness.row_exact or short_attention.linear_kernel() is None
     for seed in range(3):
         prompt = prompt_ids(60, seed)
         ar = run(model, prompt, NoDraft())
         drafter = LayerSkipDrafter([1, 2, 5], model.spec.num_items, max_draft=4, confidence_threshold=0.0)
-        assert run(model, prompt, drafter).token_ids == ar.token_ids
+        assert_same_or_near_tie(model, prompt, run(model, prompt, drafter).token_ids, ar.token_ids)
 
 
 def test_limits_and_eos(tiny_llama):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.decoding.drafters import LayerSkipDrafter, NoDraft
-from pipeline.decoding.loop import DecodeConfig, decode, prefill
+from pipeline.decoding.loop import DecodeConfig, Prefilled, decode
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest, kv_bytes_per_position
@@ -22,8 +22,12 @@ from tests.builders import assert_same_or_near_tie, load_tiny, mixed_drafters, r
 EOS = frozenset({2})
 
 
-def alone(model, prompt: torch.Tensor, limit: int) -> list[int]:
-    return decode(model, prefill(model, prompt, limit), DecodeConfig(limit, EOS), SamplingParams()).token_ids
+def alone(model, prompt: torch.Tensor, limit: int, prefill_chunk: int | None = None) -> list[int]:
+    """The request decoded by itself, its prompt read in the batcher's chunks: a chunk's rows go
+    through the kernels a chunk of that size takes, so equal tokens need equal chunks."""
+    cache = model.new_cache(prompt.numel() + limit)
+    prefilled = Prefilled(cache, model.prefill(cache, prompt, prefill_chunk), prompt.numel(), 0.0)
+    return decode(model, prefilled, DecodeConfig(limit, EOS), SamplingParams()).token_ids
 
 
 def results_by_ticket(finished) -> dict:
@@ -34,7 +38,8 @@ def results_by_ticket(finished) -> dict:
     return out
 
 
-@pytest.mark.parametrize("mode", ["fp32", *(["fp16w"] if fp16w_available() else [])])
+@pytest.mark.exactness
+@pytest.mark.parametrize("mode", ["fp32", *(["fp16w"] if fp16w_available() else []), "bf16"])
 def test_staggered_requests_keep_their_tokens(tiny_checkpoint, mode):
     """Five requests, three at a time, prompts fed 16 rows per step: they join as their prefill
     ends (between others' decode steps), some stop early, drafts are mixed."""
@@ -54,7 +59,7 @@ def test_staggered_requests_keep_their_tokens(tiny_checkpoint, mode):
     results = results_by_ticket(finished)
     assert max(in_batch) == 3, "never more than max_batch at once, and it fills up"
     for ticket, prompt, limit in zip(tickets, prompts, limits):
-        assert_same_or_near_tie(model, prompt, results[ticket].token_ids, alone(model, prompt, limit))
+        assert_same_or_near_tie(model, prompt, results[ticket].token_ids, alone(model, prompt, limit, 16))
         assert results[ticket].stats.prompt_tokens == prompt.numel()
     assert sum(r.stats.drafted_tokens for r in results.values()) > 0
     assert batcher.reserved_bytes == 0

@@ -236,7 +236,9 @@ def test_the_bf16_linear_sums_in_order_and_each_rows_bits_are_its_own(linear_bui
     got = kernel.half_linear(x, packed, None if bias is None else bias.float(), shape[0], None)
     assert torch.equal(got, bf16_sums_in_order(x, weight, bias))
     for rows in (1, 2, 3, 5, 9, 11, 17):
-        assert torch.equal(kernel.half_linear(x[:rows], packed, None if bias is None else bias.float(), shape[0], None), got[:rows])
+        assert torch.equal(
+            kernel.half_linear(x[:rows], packed, None if bias is None else bias.float(), shape[0], None), got[:rows]
+        )
 
 
 @needs_linear_kernel
