@@ -46,6 +46,10 @@ def test_the_cpu_form_reports_costs_knapspec_projections_and_greedy_equality(tmp
     assert "| 4 | 256 |" in report and "not measured speed-ups" in report
     equality = out["equality"]
     assert equality["requests"] == equality["equal"] + equality["near_ties"] and not equality["failures"]
+    # On a CPU with the kernel build bf16 is row-exact: no drift at all.
+    assert equality["bf16_drift"] <= equality["bf16_drift_bound"]
+    assert equality["bf16_drift"] == 0.0 or not equality["bf16_row_exact"]
+    assert "bf16 row drift on the device" in report
 
 
 def test_the_committed_acceptance_table_is_what_the_check_reads():
