@@ -242,7 +242,7 @@ def test_the_bf16_linear_sums_in_order_and_each_rows_bits_are_its_own(linear_bui
 
 
 @needs_linear_kernel
-def test_the_fp16_linear_refuses_what_it_cannot_multiply(linear_build):
+def test_the_half_linear_refuses_what_it_cannot_multiply(linear_build):
     kernel = linear_build
     packed = kernel.half_linear_pack(torch.ones(48, 8), False)
     with pytest.raises(RuntimeError, match="fp32"):
