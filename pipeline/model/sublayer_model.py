@@ -84,10 +84,11 @@ class SublayerModel:
         self._cos = torch.empty(0, 1, spec.head_dim, device=device)
         self._sin = torch.empty(0, 1, spec.head_dim, device=device)
         self._scale = spec.head_dim**-0.5
-        # Decode and verify attention through the fused CPU kernel (fp16w and bf16; fp32 stays
-        # transformers' math): each row's bits its own, whatever shares the call.
+        # Decode and verify attention through the fused CPU kernel (fp16w, bf16; fp32 stays transformers' math).
         self._kernel = kernel_applies(mode is not ComputeMode.FP32, torch.device(device), spec.head_dim)
         self.attention_route = KERNEL_ROUTE if self._kernel else MATMUL_ROUTE  # latency tables are per route
+        # What greedy tokens alone, speculative and batched are promised to be (precision.py).
+        self.exactness: Exactness = exactness(mode, row_kernels=self._kernel and lm_head.packed)
         # Sums the residual updates of a tensor-parallel group (pipeline/parallel/tensor_parallel.py):
         # with a shard of the heads and MLP columns, o_proj and down_proj give partial sums.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -119,11 +120,6 @@ class SublayerModel:
             max_context=max_context_of(config, spec),
             device=device,
         )
-
-    @property
-    def exactness(self) -> Exactness:
-        """What this model promises for a request's greedy tokens alone, speculative and batched."""
-        return exactness(self.mode, row_kernels=self._kernel and self.lm_head.packed)
 
     # ------------------------------------------------------------------ caches
 
