@@ -40,7 +40,7 @@ def test_overlapping_requests_count_their_wall_time_once():
     assert usage.busy_s == pytest.approx(13.0)
     assert usage.served.num_requests == 2 and usage.served.output_tokens == 54 and usage.failed == 1
     assert usage.tokens_per_busy_s == pytest.approx(54 / 13.0)
-    # The closing table's decode tok/s (tokens over the sum of the requests' decode times) reads a batch low.
+    # Tokens over the sum of the requests' own decode times read a batch low: they overlap.
     assert usage.served.tokens_per_s < usage.tokens_per_busy_s
 
 

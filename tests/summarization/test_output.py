@@ -105,7 +105,10 @@ def test_run_totals_table():
     assert totals.decoding.output_tokens == 30 and totals.acceptance_rate == pytest.approx(0.7)
     assert totals.rouge("rouge1") == pytest.approx(0.4) and totals.first_errors == ["c: empty"]
     lines = totals.table(wall_s=36.0).splitlines()
-    assert len(lines) == 3 and lines[2].startswith("| 4 | 3 | 1 | 6 |") and lines[2].endswith("| 300.0 |")
+    assert len(lines) == 3 and lines[2].startswith("| 4 | 3 | 1 | 6 | 300 | 30 |") and lines[2].endswith("| 300.0 |")
+    # The run's throughput over the wall clock, not the rows' summed (overlapping) times.
+    assert "| 8.3 | 0.83 | 0.700 |" in lines[2] and "prompt tok/s | output tok/s" in lines[0]
+    assert totals.table(wall_s=0.0).splitlines()[2].endswith("| – |")
 
 
 def test_schema_is_fixed():
