@@ -31,7 +31,7 @@ from pipeline.knapspec.hybrid import KnapSpecLookupDrafter
 from pipeline.knapspec.latency import LatencyModel
 from pipeline.knapspec.replanning import KnapSpecConfig, SearchHistory
 from pipeline.model import checkpoint
-from pipeline.model.linear import ComputeMode, resolve_compute_mode
+from pipeline.model.linear import KERNEL_MAX_ROWS, ComputeMode, resolve_compute_mode
 from pipeline.model.sublayer_model import SublayerModel
 
 logger = logging.getLogger(__name__)
@@ -150,6 +150,11 @@ class StrategyConfig:
             raise ConfigError(f"unknown strategy {self.name!r}; choose one of {', '.join(STRATEGIES)}")
         if self.max_draft is None:
             object.__setattr__(self, "max_draft", REGISTRY[self.name].max_draft)
+        if self.max_draft >= KERNEL_MAX_ROWS:  # a verify of the draft and one more token
+            raise ConfigError(
+                f"max_draft {self.max_draft} is too long: drafts of up to {KERNEL_MAX_ROWS - 1} tokens keep a verify "
+                "within the kernels that round each row as it rounds alone (pipeline/model/precision.py)"
+            )
 
 
 class Engine:

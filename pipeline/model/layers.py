@@ -17,7 +17,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from pipeline.model.short_attention import short_attention
+from pipeline.model.short_attention import short_attention, silu_mul_rows
 
 # Longer query blocks (prefill chunks) go through PyTorch's fused attention; short
 # ones (decode, verify) through the grouped product that never repeats K/V heads.
@@ -56,6 +56,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor, kernel: bool = False) -> torch.Tensor:
+    """SiLU(gate) * up of an MLP's fused [rows, 2 * I] gate and up -> [rows, I]. `kernel`: through
+    the CPU kernel build (silu_mul_rows), where a row's bits are its own whatever shares the call."""
+    if kernel:
+        return silu_mul_rows(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:

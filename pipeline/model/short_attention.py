@@ -41,9 +41,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(
-    Path(__file__).with_name("csrc") / name for name in ("short_attention.cpp", "row_norm.cpp", "half_linear.cpp")
-)
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(CSRC / name for name in ("short_attention.cpp", "row_norm.cpp", "half_linear.cpp", "silu_mul.cpp"))
+HEADERS = (CSRC / "vec_exp.h",)  # included by the sources: part of what a build is keyed by
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 AVX512_FLAGS = ("-mavx512f", "-mavx512vl")  # where the CPU has AVX-512: the 16-wide build
 HEAD_DIMS = (16, 32, 64, 128)
@@ -92,7 +92,7 @@ def build(flags: tuple[str, ...]) -> ModuleType | None:
     warning, where it cannot be built."""
     from torch.utils import cpp_extension
 
-    directory = build_dir(b"\0".join(source.read_bytes() for source in SOURCES), flags)
+    directory = build_dir(b"\0".join(path.read_bytes() for path in SOURCES + HEADERS), flags)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         module = cpp_extension.load(
@@ -130,6 +130,13 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     """RMS norm of x's fp32 rows [..., d] by `weight` [d], as Hugging Face's LlamaRMSNorm
     (its rounding differs by the order of the sum); each row's bits depend on that row alone."""
     return _loaded().rms_norm_rows(x, weight, eps)
+
+
+def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of an MLP's fused [rows, 2 * I] gate and up -> [rows, I], in its dtype: every
+    element through one vector path, so a row's bits depend on that row alone (PyTorch's
+    element-wise kernels split a call between a vector and a scalar exp by rows and threads)."""
+    return _loaded().silu_mul_rows(gate_up.float()).to(gate_up.dtype)
 
 
 def linear_kernel() -> ModuleType | None:

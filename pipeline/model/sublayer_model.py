@@ -15,7 +15,6 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from pipeline.model import items
 from pipeline.model.context import check_context, max_context_of, prefill_chunk_for, prefill_in_chunks
@@ -35,6 +34,7 @@ from pipeline.model.layers import (
     pooled_attention,
     rms_norm,
     signed_sin,
+    silu_mul,
     ungroup,
 )
 from pipeline.model.linear import KERNEL_MAX_ROWS, ComputeMode, Linear
@@ -87,8 +87,7 @@ class SublayerModel:
         # Decode and verify attention through the fused CPU kernel (fp16w, bf16; fp32 stays transformers' math).
         self._kernel = kernel_applies(mode is not ComputeMode.FP32, torch.device(device), spec.head_dim)
         self.attention_route = KERNEL_ROUTE if self._kernel else MATMUL_ROUTE  # latency tables are per route
-        # What greedy tokens alone, speculative and batched are promised to be (precision.py).
-        self.exactness: Exactness = exactness(mode, row_kernels=self._kernel and lm_head.packed)
+        self.exactness: Exactness = exactness(mode, row_kernels=self._kernel and lm_head.packed)  # (precision.py)
         # Sums the residual updates of a tensor-parallel group (pipeline/parallel/tensor_parallel.py):
         # with a shard of the heads and MLP columns, o_proj and down_proj give partial sums.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -348,8 +347,8 @@ class SublayerModel:
         return rms_norm(x, weight, self.spec.rms_norm_eps)
 
     def _mlp(self, layer: LayerWeights, h: torch.Tensor, ranges=None) -> torch.Tensor:
-        gate, up = self._linear(layer.gate_up, self._rms_norm(h, layer.post_norm), ranges).chunk(2, dim=-1)
-        return self._reduced(self._linear(layer.down, F.silu(gate) * up, ranges))
+        gate_up = self._linear(layer.gate_up, self._rms_norm(h, layer.post_norm), ranges)
+        return self._reduced(self._linear(layer.down, silu_mul(gate_up, self._kernel), ranges))
 
     @staticmethod
     def _linear(linear: Linear, x: torch.Tensor, ranges: list[tuple[int, int, bool]] | None) -> torch.Tensor:
@@ -407,10 +406,11 @@ class SublayerModel:
 
     def _attend(self, index: int, q, k, v, cache: KVCache, start: int, mask, out=None) -> torch.Tensor:
         """One request's queries, keys and values [T, heads, head_dim] at [start, start + T): the
-        keys and values into its cache, then attention over it -> [T, H * head_dim] (into `out`)."""
+        keys and values into its cache, then attention over it -> [T, H * head_dim] (into `out`);
+        the kernel's up to the kernel linears' rows, so that a long verify stays row-exact."""
         num_tokens, end = q.shape[0], start + q.shape[0]
         cache.write(index, start, k.transpose(0, 1), v.transpose(0, 1))
-        if num_tokens >= FUSED_ATTENTION_MIN_TOKENS:
+        if num_tokens >= FUSED_ATTENTION_MIN_TOKENS and not (self._kernel and num_tokens <= KERNEL_MAX_ROWS):
             return fused_attention(q, *cache.view(index, end), start, mask, self._scale, out)
         if self._kernel:
             result = kernel_attention(q * self._scale, *cache.view(index, end), start, self.spec.num_kv_heads)

@@ -154,6 +154,10 @@ def test_strategy_default_draft_lengths():
     assert StrategyConfig("hf-lookup").max_draft == DEFAULT_LOOKUP_MAX_DRAFT
     assert StrategyConfig("static").max_draft == DEFAULT_MAX_DRAFT
     assert StrategyConfig("lookup", max_draft=5).max_draft == 5
+    # A verify of the draft and one more token stays within the row-exact kernels' 32 rows.
+    assert StrategyConfig("static", max_draft=31).max_draft == 31
+    with pytest.raises(ConfigError, match="max_draft 32 is too long"):
+        StrategyConfig("static", max_draft=32)
 
 
 # ------------------------------------------------------------ decoding loop

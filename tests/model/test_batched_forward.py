@@ -30,14 +30,16 @@ def prefilled(model, prompt: torch.Tensor, room: int = 40):
     return cache
 
 
-def assert_as_promised(model, batched: torch.Tensor, alone: torch.Tensor, atol: float = 1e-5) -> None:
-    """Bit for bit where the model is row-exact; else close, and equal top-1 tokens per row or,
-    where they differ, a near-tie in the request run alone."""
+def assert_as_promised(model, batched: torch.Tensor, alone: torch.Tensor, logits: bool = True) -> None:
+    """Bit for bit where the model is row-exact; else within the mode's drift of the largest
+    value, and (logits) equal top-1 tokens per row or, where they differ, a near-tie alone."""
     promise = model.exactness
     if promise.row_exact:
         assert torch.equal(batched, alone)
         return
-    torch.testing.assert_close(batched, alone, atol=atol, rtol=atol)
+    assert float((batched - alone).abs().max()) <= promise.drift * float(alone.abs().max())
+    if not logits:
+        return
     for row, (b, a) in enumerate(zip(batched, alone)):
         if int(b.argmax()) != int(a.argmax()):
             top2 = a.topk(2).values
@@ -66,8 +68,8 @@ def test_each_request_in_a_batch_gets_its_own_logits_and_cache(tiny_checkpoint, 
     got = model.forward_batch([RequestRows(c, r, c.length) for c, r in zip(together, rows)])
     for g, e, a, t in zip(got, expected, alone, together):
         assert_as_promised(model, g, e)
-        assert_as_promised(model, t.keys, a.keys)
-        assert_as_promised(model, t.values, a.values)
+        assert_as_promised(model, t.keys, a.keys, logits=False)
+        assert_as_promised(model, t.values, a.values, logits=False)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -90,8 +92,8 @@ def test_requests_in_one_kv_pool_attend_together(tiny_checkpoint, mode):
     for g, e, a, t, r in zip(got, expected, alone, together, rows):
         assert_as_promised(model, g, e)
         end = t.length + r.numel()
-        assert_as_promised(model, t.keys[:, :, :end], a.keys[:, :, :end])
-        assert_as_promised(model, t.values[:, :, :end], a.values[:, :, :end])
+        assert_as_promised(model, t.keys[:, :, :end], a.keys[:, :, :end], logits=False)
+        assert_as_promised(model, t.values[:, :, :end], a.values[:, :, :end], logits=False)
 
 
 def test_keys_read_in_aligned_widths_are_masked(tiny_checkpoint, monkeypatch):
@@ -285,4 +287,4 @@ def test_real_documents_decoded_in_a_batch_keep_their_greedy_tokens():
             history.append(out[0])
             cache.advance(1)
     for got, expected in zip(batched, alone):
-        assert_as_promised(model, torch.stack(got), expected, atol=2e-3)
+        assert_as_promised(model, torch.stack(got), expected)

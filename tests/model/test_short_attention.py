@@ -173,6 +173,29 @@ def test_the_row_norm_refuses_what_it_cannot_norm(row_norm):
         row_norm(torch.ones(2, 8), torch.ones(6), 1e-5)
 
 
+@pytest.mark.parametrize("width", [1536, 1000, 13])  # SmolLM2's MLP, and widths no vector divides
+def test_silu_mul_gives_a_row_its_bits_whatever_the_rows_and_threads(build, width):
+    """PyTorch's element-wise kernels cut a call between a vector and a scalar exp by its rows and
+    threads; the kernel build's SiLU(gate) * up takes one path for every element."""
+    generator = torch.Generator().manual_seed(width)
+    gate_up = torch.randn(25, 2 * width, generator=generator) * 4
+    got = build.silu_mul_rows(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=2e-6, atol=1e-6)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 3):
+            torch.set_num_threads(num_threads)
+            for rows in (1, 5, 25):
+                assert torch.equal(build.silu_mul_rows(gate_up[:rows]), got[:rows])
+            assert torch.equal(build.silu_mul_rows(gate_up[7:8]), got[7:8])
+    finally:
+        torch.set_num_threads(threads)
+    assert sa.silu_mul_rows(gate_up.bfloat16()).dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="fp32"):
+        build.silu_mul_rows(gate_up.double())
+
+
 needs_linear_kernel = pytest.mark.skipif(sa.linear_kernel() is None, reason="the 16-bit linears need the kernel build")
 
 

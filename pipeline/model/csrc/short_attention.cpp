@@ -25,6 +25,8 @@
 #include <limits>
 #include <vector>
 
+#include "vec_exp.h"
+
 namespace {
 
 // Keys per task: a chunk's keys and values of one head (2 x 256 x head_dim floats) stay
@@ -58,47 +60,11 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// e^x for x <= 0 (scores less their maximum): 2^n p(r), Cephes' single-precision polynomial.
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 #ifdef __AVX512F__
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-// The same polynomial, 16 lanes wide.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
 // A 16-lane accumulator folded to 8 lanes (its halves added), for tile_sums.
@@ -429,6 +395,7 @@ torch::Tensor short_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor
 }
 
 torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, double eps);  // row_norm.cpp
+torch::Tensor silu_mul_rows(const torch::Tensor& gate_up);  // silu_mul.cpp
 // half_linear.cpp
 bool half_linear_available();
 torch::Tensor half_linear_pack(const torch::Tensor& weight, bool bf16);
@@ -438,6 +405,7 @@ torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("short_attention", &short_attention);
   m.def("rms_norm_rows", &rms_norm_rows);
+  m.def("silu_mul_rows", &silu_mul_rows);
   m.def("half_linear_available", &half_linear_available);
   m.def("half_linear_pack", &half_linear_pack, pybind11::arg("weight"), pybind11::arg("bf16"));
   m.def("half_linear", &half_linear, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"),
