@@ -160,10 +160,10 @@ def pooled_rows(spans: Sequence[tuple[KVCache, int, int]], max_rows: int) -> tup
 
 
 def kernel_ranges(sizes: Sequence[int], max_packed_rows: int) -> list[tuple[int, int, bool]]:
-    """Row ranges [a, e) of a packed batch and, for each, whether its linears take the fp16w
-    kernel: a block takes it alone when it has at most `max_packed_rows` rows, and in a batch
-    it must take what it would alone (the fp32 copy rounds differently), so consecutive blocks
-    of one choice share a range."""
+    """Row ranges [a, e) of a packed batch and, for each, whether its linears take the packed
+    16-bit weights' kernel: a block takes it alone when it has at most `max_packed_rows` rows,
+    and in a batch it must take what it would alone (PyTorch's linear over the plain weights
+    rounds differently), so consecutive blocks of one choice share a range."""
     ranges: list[tuple[int, int, bool]] = []
     at = 0
     for n in sizes:

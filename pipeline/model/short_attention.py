@@ -16,8 +16,9 @@ bit-equal to FBGEMM's fp16 kernel on the CPUs measured, the AVX-512 build in 0.5
 at 1 to 32 rows.
 
 Every row's bits depend on that row alone, whatever else shares the call: with these kernels
-a request's greedy tokens are the same alone, speculative and batched, bit for bit, on any CPU
-(pipeline/model/precision.py says which mode guarantees what).
+a request's greedy tokens are the same alone, speculative and batched, bit for bit, on whatever
+CPU runs them (each build rounds alike within itself; the AVX2 and AVX-512 builds of the attention
+differ in their last bits; pipeline/model/precision.py says which mode guarantees what).
 
 Only x86 CPUs with AVX2 and FMA take it (`torch.backends.cpu.get_cpu_capability()`), built
 16 floats wide where that says AVX-512, and only in the `fp16w` and `bf16` modes (the bf16
