@@ -35,7 +35,12 @@ from pipeline.engine import DEFAULT_MAX_BATCH, EngineConfig, StrategyConfig
 from pipeline.errors import ConfigError
 from pipeline.model import checkpoint
 from pipeline.summarization.stage import SummarizeBatch
-from pipeline.summarization.summarizer import DEFAULT_SUMMARY_PARAMS, SummarizeSettings
+from pipeline.summarization.summarizer import (
+    DEFAULT_END_ON_SENTENCE,
+    DEFAULT_MAX_SUMMARY_TOKENS,
+    DEFAULT_SUMMARY_PARAMS,
+    SummarizeSettings,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +60,8 @@ class SummarizerConfig:
     model: str | None = None  # a local Hugging Face checkpoint folder on every node; None: the embedded model
     strategy: str = "knapspec-lookup"
     max_new_tokens: int = 64  # per request whose summary is summarized again (a chunk's)
-    max_summary_tokens: int | None = None  # the final summary's; None: max_new_tokens
+    max_summary_tokens: int | None = DEFAULT_MAX_SUMMARY_TOKENS  # the final summary's; None: max_new_tokens
+    end_on_sentence: float | None = DEFAULT_END_ON_SENTENCE  # share of a budget after which answers end on a sentence
     max_chunk_tokens: int = 4096  # prompt budget of one request, template included
     dtype: str = "auto"
     device: str = "cpu"
@@ -111,6 +117,7 @@ class Summarizer:
             strategy=config.strategy,
             max_new_tokens=config.max_new_tokens,
             max_summary_tokens=config.max_summary_tokens,
+            end_on_sentence=config.end_on_sentence,
             max_prompt_tokens=min(config.max_chunk_tokens, self.pool.max_context - _longest_answer(config)),
             params=config.params,
         )

@@ -113,6 +113,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     add_sampling_arguments(parser)
     parser.add_argument(
+        "--end-on-sentence-after",
+        type=positive_int,
+        metavar="N",
+        help="end an answer at its first sentence end once it is N tokens long, and cut an unfinished last "
+        "sentence from one that uses its whole budget (default: end at EOS or the budget only)",
+    )
+    parser.add_argument(
         "--skip", type=_skip_items, help="items the `static` drafter skips, e.g. 4,6,8 (item 2i: attention of layer i)"
     )
     parser.add_argument(

@@ -48,6 +48,15 @@ def _id_list(value: str) -> frozenset[str]:
     return ids
 
 
+def _share_or_off(value: str) -> float | None:
+    if value.strip().lower() == "off":
+        return None
+    share = positive_float(value)
+    if share > 1:
+        raise argparse.ArgumentTypeError(f"expected a share of the budget in (0, 1] or `off`, got {share}")
+    return share
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from actors.summarizer import SummarizerConfig as Defaults
     from pipeline.engine import DEFAULT_MAX_BATCH, STRATEGIES
@@ -92,7 +101,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=positive_int,
         default=Defaults.max_summary_tokens,
         help="the final summary's budget: a short document's one request, a long one's last reduce step "
-        "(default: --max-new-tokens)",
+        f"(default {Defaults.max_summary_tokens})",
+    )
+    model.add_argument(
+        "--end-on-sentence",
+        type=_share_or_off,
+        default=Defaults.end_on_sentence,
+        metavar="SHARE|off",
+        help="past this share of its budget an answer ends at its first sentence end, and one that uses its "
+        "whole budget loses an unfinished last sentence; `off`: answers end at EOS or the budget "
+        f"(default {Defaults.end_on_sentence})",
     )
     model.add_argument(
         "--max-chunk-tokens",
@@ -250,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
                 strategy=args.strategy,
                 max_new_tokens=args.max_new_tokens,
                 max_summary_tokens=args.max_summary_tokens,
+                end_on_sentence=args.end_on_sentence,
                 max_chunk_tokens=args.max_chunk_tokens,
                 dtype=args.dtype,
                 device=args.device,

@@ -11,9 +11,11 @@ default mode: every strategy emits the same tokens, so the settings are what dif
 
 A setting is comma-separated `ngram=N` (no_repeat_ngram_size), `penalty=P`
 (repetition_penalty), `scope=all|answer` (default answer), `reduce=NAME` (the reduce
-step's instruction, one of REDUCE_INSTRUCTIONS) and `final=N` (the final summary's token
-budget); `off` is none of them. Writes
-OUT/summary_quality.json and prints a markdown table.
+step's instruction, one of REDUCE_INSTRUCTIONS), `final=N` (the final summary's token
+budget; default --max-new-tokens) and `sentence=SHARE|off` (the summarize job's
+--end-on-sentence; default off); `off` is none of them. Writes OUT/summary_quality.json and
+prints a markdown table: ROUGE, loops, how the summaries end, and the seconds each setting's
+own prefills and decoding took (the map prompts' prefill is counted once, by the first setting).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import json
 import logging
 import statistics
 import sys
+import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,6 +68,7 @@ class Setting:
     repetition_scope: str = "answer"
     reduce: str = "job"
     final: int | None = None  # the final summary's token budget (None: --max-new-tokens)
+    sentence: float | None = None  # end on a sentence past this share of every budget (None: off)
 
 
 def parse_setting(text: str) -> Setting:
@@ -80,6 +85,7 @@ def parse_setting(text: str) -> Setting:
         fields[key.strip()] = value.strip()
     known = {"ngram": ("no_repeat_ngram_size", int), "penalty": ("repetition_penalty", float)}
     known |= {"scope": ("repetition_scope", str), "reduce": ("reduce", str), "final": ("final", int)}
+    known |= {"sentence": ("sentence", lambda v: None if v == "off" else float(v))}
     unknown = set(fields) - set(known)
     if unknown:
         raise ValueError(f"setting {text!r}: unknown {', '.join(sorted(unknown))} (use {', '.join(known)})")
@@ -93,33 +99,46 @@ class PrefilledCalls:
     """A summarizer's `generate_many` on one in-process engine: greedy `ar`, requests decoded
     together in batches, each distinct prompt prefilled once and reused by every setting."""
 
-    def __init__(self, engine, max_batch: int) -> None:
+    def __init__(self, engine, max_batch: int, max_new_tokens: int) -> None:
         self.engine = engine
         self.max_batch = max_batch
-        self.prefilled: dict[tuple[tuple[int, ...], int], object] = {}
+        self.max_new_tokens = max_new_tokens  # the largest budget of any setting: every prefill has room for it
+        self.prefilled: dict[tuple[int, ...], object] = {}
         # Greedy decoding is a function of the prompt and the settings: settings that differ only
         # in the reduce step share their map step's results.
         self.results: dict[tuple, dict] = {}
+        self.setting = ""  # whose calls these are: the seconds below are counted by setting
+        self.seconds: dict[str, dict[str, float]] = {}
 
     def __call__(self, calls: list) -> list[dict]:
         import torch
 
-        from pipeline.decoding.loop import DecodeConfig, DecodingRequest, decode_batch
+        from pipeline.decoding.loop import DecodingRequest, decode_batch
 
+        seconds = self.seconds.setdefault(self.setting, {"prefill": 0.0, "decode": 0.0})
         todo = []
         for ids, max_new_tokens, params in calls:
-            key = (tuple(ids), max_new_tokens)
-            if (key, params) in self.results:
+            key = (tuple(ids), max_new_tokens, params)
+            if key in self.results:
                 continue
-            if key not in self.prefilled:
-                self.prefilled[key] = self.engine.prefill(torch.tensor(ids), max_new_tokens)
-            config = DecodeConfig(max_new_tokens, self.engine.eos_token_ids)
-            todo.append(((key, params), DecodingRequest(self.prefilled[key].copy(), config, params, None, list(ids))))
+            if key[0] not in self.prefilled:
+                started = time.perf_counter()
+                self.prefilled[key[0]] = self.engine.prefill(torch.tensor(ids), self.max_new_tokens)
+                seconds["prefill"] += time.perf_counter() - started
+            config = self.engine.decode_config(max_new_tokens, params)
+            todo.append((key, DecodingRequest(self.prefilled[key[0]].copy(), config, params, None, list(ids))))
+        started = time.perf_counter()
         for at in range(0, len(todo), self.max_batch):
             batch = todo[at : at + self.max_batch]
-            for (memo, _), r in zip(batch, decode_batch(self.engine.model, [request for _, request in batch])):
-                self.results[memo] = {"token_ids": r.token_ids, "stats": r.stats.to_dict(), "extra": r.extra}
-        return [self.results[((tuple(ids), m), params)] for ids, m, params in calls]
+            for (key, _), r in zip(batch, decode_batch(self.engine.model, [request for _, request in batch])):
+                self.results[key] = {
+                    "token_ids": r.token_ids,
+                    "finish_reason": r.finish_reason,
+                    "stats": r.stats.to_dict(),
+                    "extra": r.extra,
+                }
+        seconds["decode"] += time.perf_counter() - started
+        return [self.results[(tuple(ids), m, params)] for ids, m, params in calls]
 
     def forget(self) -> None:
         self.prefilled.clear()
@@ -145,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.decoding.sampling import SamplingParams
     from pipeline.engine import Engine, EngineConfig
     from pipeline.summarization.prompts import INSTRUCTIONS
-    from pipeline.summarization.quality import repetitions
+    from pipeline.summarization.quality import ends_on_sentence, repetitions
     from pipeline.summarization.summarizer import DocumentSummarizer, SummarizeSettings
 
     settings = [parse_setting(s) for s in args.settings.split(";") if s.strip()]
@@ -154,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         wanted = args.ids.split(",")
         documents = [d for d in documents if d["id"] in wanted]
     engine = Engine(EngineConfig(dtype=args.dtype))
-    calls = PrefilledCalls(engine, args.max_batch)
+    calls = PrefilledCalls(engine, args.max_batch, max([args.max_new_tokens] + [s.final or 0 for s in settings]))
     summarizers = {}
     for s in settings:
         params = SamplingParams(
@@ -169,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
             strategy="ar",
             max_new_tokens=args.max_new_tokens,
             max_summary_tokens=s.final,
+            end_on_sentence=s.sentence,
             max_prompt_tokens=min(args.max_chunk_tokens, room),
             params=params,
             instructions=instructions,
@@ -177,52 +197,65 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for doc in documents:
         for s in settings:
+            calls.setting = s.name
             row = summarizers[s.name].summarize(doc["id"], doc["text"], doc.get("reference_summary"))
             found = repetitions(row["summary"])
             rows.append(
                 {"setting": s.name, "id": doc["id"], "loops": bool(found), "repeated": [r.text for r in found[:3]]}
-                | {k: row[k] for k in ("rouge1", "rouge2", "rougeL", "output_tokens", "decode_s", "summary")}
+                | {"ends_on_sentence": ends_on_sentence(row["summary"]), "words": len(row["summary"].split())}
+                | {k: row[k] for k in ("rouge1", "rouge2", "rougeL", "finish_reason", "output_tokens", "summary")}
             )
             logger.info(
                 "%s [%s]: rouge1 %s, %s", doc["id"], s.name, _fmt(row["rouge1"]), "LOOPS" if found else "no loop"
             )
         calls.forget()
-    table = summary_table(rows, [s.name for s in settings])
+    table = summary_table(rows, [s.name for s in settings], calls.seconds)
     args.output.mkdir(parents=True, exist_ok=True)
-    out = {"rows": rows, "table": table, "settings": vars(args) | {"input": str(args.input), "output": str(args.output)}}
+    out = {
+        "rows": rows,
+        "table": table,
+        "settings": vars(args) | {"input": str(args.input), "output": str(args.output)},
+    }
     (args.output / "summary_quality.json").write_text(json.dumps(out, indent=2, default=str))
     print(format_table(table, len(documents)))
     return 0
 
 
-def summary_table(rows: list[dict], names: list[str]) -> list[dict]:
+def summary_table(rows: list[dict], names: list[str], seconds: dict[str, dict[str, float]]) -> list[dict]:
     table = []
     for name in names:
         mine = [r for r in rows if r["setting"] == name]
         scored = [r for r in mine if r["rouge1"] is not None]
-        decode_s = sum(r["decode_s"] for r in mine)
         table.append(
             {
                 "setting": name,
                 "documents": len(mine),
                 "looping": sum(r["loops"] for r in mine),
                 "looping_ids": [r["id"] for r in mine if r["loops"]],
+                "ends_on_sentence": sum(r["ends_on_sentence"] for r in mine),
+                "finish_reasons": dict(Counter(r["finish_reason"] for r in mine)),
+                "mean_words": statistics.mean(r["words"] for r in mine) if mine else None,
             }
             | {k: statistics.mean(r[k] for r in scored) if scored else None for k in ("rouge1", "rouge2", "rougeL")}
-            | {"tokens_per_s": sum(r["output_tokens"] for r in mine) / decode_s if decode_s else None}
+            | {f"{k}_s": seconds.get(name, {}).get(k, 0.0) for k in ("prefill", "decode")}
         )
     return table
 
 
 def format_table(table: list[dict], num_documents: int) -> str:
     lines = [
-        "| setting | ROUGE-1 | ROUGE-2 | ROUGE-L | summaries that loop | looping ids |",
-        "|---|---|---|---|---|---|",
+        (
+            "| setting | ROUGE-1 | ROUGE-2 | ROUGE-L | summaries that loop | end on a sentence | how they ended "
+            "| words (mean) | own prefill s | decode s |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t in table:
+        ended = ", ".join(f"{reason} {n}" for reason, n in sorted(t["finish_reasons"].items(), key=str))
         lines.append(
             f"| {t['setting']} | {_fmt(t['rouge1'])} | {_fmt(t['rouge2'])} | {_fmt(t['rougeL'])} "
-            f"| {t['looping']} / {num_documents} | {', '.join(t['looping_ids']) or '—'} |"
+            f"| {t['looping']} / {num_documents} | {t['ends_on_sentence']} / {num_documents} | {ended} "
+            f"| {t['mean_words']:.0f} | {t['prefill_s']:.0f} | {t['decode_s']:.0f} |"
         )
     return "\n".join(lines)
 

@@ -127,6 +127,7 @@ def sampling_params(args: argparse.Namespace):
         repetition_penalty=args.repetition_penalty,
         no_repeat_ngram_size=args.no_repeat_ngram_size,
         repetition_scope=args.repetition_scope,
+        end_on_sentence_after=getattr(args, "end_on_sentence_after", None),
     )
 
 

@@ -23,6 +23,7 @@ from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest
 from pipeline.decoding.stats import GenerationStats
 from pipeline.decoding.step_cost import StepCost
+from pipeline.decoding.stopping import SentenceEnds, SentenceStop, end_on_sentence, eos_token_ids
 from pipeline.errors import ConfigError
 from pipeline.knapspec.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter
 from pipeline.knapspec.batch_plan import BatchPlanner
@@ -174,7 +175,8 @@ class Engine:
                 self.hf_config, checkpoint.read_tensors(self.path), self.mode, self.device
             )
         self.model = model
-        self.eos_token_ids = _eos_token_ids(self.path, self.hf_config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.path, self.hf_config, self.tokenizer)
+        self.sentences = SentenceEnds(self.tokenizer)
         self._hf_model = None
         self._latency = config.latency
         self._calibrator = calibrator
@@ -273,8 +275,14 @@ class Engine:
         self._check_context(prompt_ids, max_new_tokens)
         if REGISTRY[strategy.name].build is None:
             raise ConfigError(f"strategy {strategy.name!r} is transformers' generate(): it batches by itself")
-        config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids)
-        return GenerationRequest(prompt_ids, config, params, self.drafter(strategy))
+        return GenerationRequest(prompt_ids, self.decode_config(max_new_tokens, params), params, self.drafter(strategy))
+
+    def decode_config(self, max_new_tokens: int, params: SamplingParams) -> DecodeConfig:
+        """Where a request's answer ends: EOS, the budget, and the sentence rule if `params` ask."""
+        after = params.end_on_sentence_after
+        return DecodeConfig(
+            max_new_tokens, self.eos_token_ids, None if after is None else SentenceStop(self.sentences, after)
+        )
 
     def batcher(self, max_batch: int) -> ContinuousBatcher:
         """A continuous batcher over this engine's model (`submit` the engine's `request`s). A
@@ -321,7 +329,7 @@ class Engine:
         prefilled: Prefilled | None = None,
     ) -> GenerationResult:
         """Generate after `prompt_ids` (1-D). `prefilled` reuses a prefilled cache (consumed)."""
-        config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids)
+        config = self.decode_config(max_new_tokens, params)
         self._check_context(prompt_ids, max_new_tokens)
         if REGISTRY[strategy.name].build is None:
             return self._generate_hf(prompt_ids, config, params, strategy)
@@ -359,7 +367,8 @@ class Engine:
             runs = run_hf_generate_batch(
                 self.hf_model, batch, max_new_tokens, self.eos_token_ids, params[0], self.tokenizer.pad_token_id
             )
-            results += [self._hf_result(prompt, run) for prompt, run in zip(batch, runs)]
+            config = self.decode_config(max_new_tokens, params[0])
+            results += [self._hf_result(prompt, run, config) for prompt, run in zip(batch, runs)]
         return results
 
     def _generate_hf(
@@ -376,10 +385,11 @@ class Engine:
             prompt_lookup_num_tokens=strategy.max_draft if lookup else None,
             max_matching_ngram_size=DEFAULT_MAX_NGRAM if lookup else None,
         )
-        return self._hf_result(prompt_ids, run)
+        return self._hf_result(prompt_ids, run, config)
 
-    def _hf_result(self, prompt_ids: torch.Tensor, run: HFRun) -> GenerationResult:
-        token_ids = run.token_ids
+    def _hf_result(self, prompt_ids: torch.Tensor, run: HFRun, config: DecodeConfig) -> GenerationResult:
+        # generate() stops at EOS and the budget only: the sentence rule applies to its stream after.
+        token_ids, finish = end_on_sentence(run.token_ids, config.max_new_tokens, config.eos_token_ids, config.stop)
         # generate() does not say how many tokens it drafted, only how many forwards it
         # ran; tokens beyond one per forward were accepted drafts. In a batch the forwards
         # are the batch's: a request that ended early ran fewer.
@@ -391,20 +401,4 @@ class Engine:
             prefill_s=run.prefill_s,
             decode_s=run.decode_s,
         )
-        finish = "eos" if token_ids and token_ids[-1] in self.eos_token_ids else "length"
         return GenerationResult(token_ids=token_ids, stats=stats, finish_reason=finish)
-
-
-def _eos_token_ids(path: Path, hf_config, tokenizer) -> frozenset[int]:
-    """End-of-sequence ids: generation_config.json first (chat models often list several
-    there, e.g. Llama 3.1's <|eot_id|>), then config.json, then the tokenizer."""
-    candidates = []
-    if (path / "generation_config.json").is_file():
-        from transformers import GenerationConfig
-
-        candidates.append(GenerationConfig.from_pretrained(path).eos_token_id)
-    candidates += [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
-    ids = next((c for c in candidates if c is not None), None)
-    if ids is None:
-        return frozenset()
-    return frozenset([ids] if isinstance(ids, int) else ids)

@@ -16,6 +16,7 @@ from pipeline.decoding.batch_drafts import DraftBudget
 from pipeline.decoding.drafters import Draft, Drafter, DraftForward, DraftRequest, DraftSteps, NoDraft, draft_steps
 from pipeline.decoding.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
 from pipeline.decoding.stats import GenerationStats
+from pipeline.decoding.stopping import FINISH_EOS, FINISH_LENGTH, FINISH_SENTENCE, SentenceStop
 from pipeline.errors import ConfigError
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.packing import RequestRows
@@ -29,6 +30,7 @@ CALIBRATION_STEPS = 16
 class DecodeConfig:
     max_new_tokens: int = 128
     eos_token_ids: frozenset[int] = frozenset()
+    stop: SentenceStop | None = None  # end on a sentence (stopping.py); None: at EOS or the budget only
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -39,7 +41,7 @@ class DecodeConfig:
 class GenerationResult:
     token_ids: list[int]
     stats: GenerationStats
-    finish_reason: str  # "eos" or "length"
+    finish_reason: str  # one of stopping.FINISH_REASONS
     extra: dict = field(default_factory=dict)
 
 
@@ -221,6 +223,7 @@ class DecodingRequest:
         self.output = [self.pending]
         self.history = list(prompt_ids or []) + self.output  # prompt + emitted, kept in step with `output`
         self.running = True
+        self.finish_reason: str | None = None  # set when done (stopping.FINISH_REASONS)
         self._check_done()
 
     def propose(self, model: SublayerModel) -> Draft:
@@ -265,7 +268,11 @@ class DecodingRequest:
         self.stats.steps += 1
         self.stats.drafted_tokens += len(draft.token_ids)
         self.stats.accepted_tokens += num_accepted
+        stopped = None
         for token in emitted:
+            if self.config.stop is not None and self.config.stop.stops_before(self.output, token):
+                stopped = FINISH_SENTENCE
+                break
             self.output.append(token)
             self.history.append(token)
             if self.repetition is not None:
@@ -273,18 +280,24 @@ class DecodingRequest:
             if token in self.config.eos_token_ids or len(self.output) >= self.config.max_new_tokens:
                 break
         self.pending = self.output[-1]
-        self._check_done()
+        self._check_done(stopped)
 
     def result(self) -> GenerationResult:
-        finish = "eos" if self.output[-1] in self.config.eos_token_ids else "length"
         # Searching drafters report their own numbers (search time, plans chosen).
         extra = self.drafter.summary() if hasattr(self.drafter, "summary") else {}
-        return GenerationResult(token_ids=self.output, stats=self.stats, finish_reason=finish, extra=extra)
+        return GenerationResult(token_ids=self.output, stats=self.stats, finish_reason=self.finish_reason, extra=extra)
 
-    def _check_done(self) -> None:
-        if len(self.output) >= self.config.max_new_tokens or self.pending in self.config.eos_token_ids:
+    def _check_done(self, stopped: str | None = None) -> None:
+        if stopped is None and self.pending in self.config.eos_token_ids:
+            stopped = FINISH_EOS
+        elif stopped is None and len(self.output) >= self.config.max_new_tokens:
+            stopped = FINISH_LENGTH
+            if self.config.stop is not None:
+                self.output, stopped = self.config.stop.at_budget(self.output)
+        if stopped is not None:
             # In a batch, a request's decode time is the time it spent in the batch.
             self.running = False
+            self.finish_reason = stopped
             self.stats.decode_s = time.perf_counter() - self._t0
             self.stats.output_tokens = len(self.output)
 

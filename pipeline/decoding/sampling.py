@@ -33,6 +33,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     no_repeat_ngram_size: int = 0
     repetition_scope: str = "all"
+    # End the answer at its first sentence end once it is this many tokens long, and cut an
+    # unfinished last sentence from an answer that used its whole budget (stopping.py). None: off.
+    end_on_sentence_after: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -45,6 +48,8 @@ class SamplingParams:
             raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.no_repeat_ngram_size < 0:
             raise ConfigError(f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
+        if self.end_on_sentence_after is not None and self.end_on_sentence_after < 1:
+            raise ConfigError(f"end_on_sentence_after must be >= 1 or None, got {self.end_on_sentence_after}")
         if self.repetition_scope not in REPETITION_SCOPES:
             raise ConfigError(
                 f"repetition_scope must be one of {', '.join(REPETITION_SCOPES)}, got {self.repetition_scope!r}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -31,6 +32,7 @@ OUTPUT_SCHEMA = pa.schema(
     [
         ("id", pa.string()),
         ("summary", pa.string()),
+        ("finish_reason", pa.string()),  # how the summary ended (pipeline/decoding/stopping.py)
         ("status", pa.string()),  # "ok" or "error"
         ("error", pa.string()),
         ("model", pa.string()),
@@ -177,6 +179,7 @@ class RunTotals:
     rouge_sums: dict[str, float] = field(default_factory=dict)
     rouge_counts: int = 0
     first_errors: list[str] = field(default_factory=list)
+    endings: Counter = field(default_factory=Counter)  # the ok rows' finish_reason
 
     def add_table(self, table: pa.Table) -> None:
         for row in table.to_pylist():
@@ -187,6 +190,7 @@ class RunTotals:
                     self.first_errors.append(f"{row['id']}: {row['error']}")
                 continue
             self.ok += 1
+            self.endings[row["finish_reason"] or "unknown"] += 1
             self.chunks += row["num_chunks"] or 0
             self.decoding += _row_stats(row)
             if row["rouge1"] is not None:
@@ -198,6 +202,7 @@ class RunTotals:
         for name in ("rows", "ok", "errors", "chunks", "rouge_counts"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.decoding += other.decoding
+        self.endings += other.endings
         for name, value in other.rouge_sums.items():
             self.rouge_sums[name] = self.rouge_sums.get(name, 0.0) + value
         self.first_errors = (self.first_errors + other.first_errors)[:_ERRORS_SHOWN]
@@ -231,7 +236,11 @@ class RunTotals:
             f"| {fmt(self.rouge('rouge1'))} | {fmt(self.rouge('rouge2'))} | {fmt(self.rouge('rougeL'))} "
             f"| {fmt(per_s(self.ok * 3600), 1)} |"
         )
-        return "\n".join([header, "|" + "---|" * 13, values])
+        lines = [header, "|" + "---|" * 13, values]
+        if self.endings:
+            ended = ", ".join(f"{reason} {n}" for reason, n in sorted(self.endings.items()))
+            lines.append(f"\nHow the summaries ended (finish_reason): {ended}")
+        return "\n".join(lines)
 
 
 def _row_stats(row: dict[str, Any]) -> GenerationStats:

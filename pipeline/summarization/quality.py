@@ -11,6 +11,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
+from pipeline.decoding.stopping import SENTENCE_END
+
 LOOP_TIMES = 3
 LOOP_NGRAM = 6
 
@@ -42,3 +44,8 @@ def repetitions(summary: str, times: int = LOOP_TIMES, ngram: int = LOOP_NGRAM) 
 def loops(summary: str) -> bool:
     """Whether a sentence or a LOOP_NGRAM-word sequence occurs LOOP_TIMES times or more."""
     return bool(repetitions(summary))
+
+
+def ends_on_sentence(summary: str) -> bool:
+    """Whether the summary's last line ends a sentence (".", "!" or "?", a closing quote or bracket after)."""
+    return bool(SENTENCE_END.search(summary.rstrip()))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -41,6 +42,9 @@ GenerateMany = Callable[[list[tuple[list[int], int, SamplingParams]]], list[dict
 # documents (README, "Summary quality"); over the answer only, so that it may still quote its
 # document. A hard ban, unlike a penalty, also rules out a loop on documents not measured.
 DEFAULT_SUMMARY_PARAMS = SamplingParams(no_repeat_ngram_size=3, repetition_scope="answer")
+# Chosen by measurement with the final budget below (docs/summary-quality.md).
+DEFAULT_END_ON_SENTENCE = 0.5
+DEFAULT_MAX_SUMMARY_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -50,10 +54,14 @@ class SummarizeSettings:
     max_new_tokens: int = 64  # per request whose summary is summarized again (a chunk's)
     # The final summary's budget (the one request of a short document, the last reduce step of a
     # long one): what is read, and not summarized again. None: max_new_tokens.
-    max_summary_tokens: int | None = None
+    max_summary_tokens: int | None = DEFAULT_MAX_SUMMARY_TOKENS
     max_prompt_tokens: int = 4096  # per request, instruction and chat template included
     params: SamplingParams = DEFAULT_SUMMARY_PARAMS
     max_levels: int = 8
+    # Past this share of its budget, a request's answer ends at its first sentence end, and one that
+    # uses its whole budget loses its unfinished last sentence (pipeline/decoding/stopping.py): map
+    # summaries too, since the reduce step reads them. None: answers end at EOS or the budget.
+    end_on_sentence: float | None = DEFAULT_END_ON_SENTENCE
     # The instruction of each request kind (chunking.SummaryRequest.kind), "{document}" in each.
     instructions: Mapping[str, str] = field(default_factory=lambda: dict(INSTRUCTIONS))
 
@@ -61,6 +69,8 @@ class SummarizeSettings:
         check_chunk_budget(self.max_prompt_tokens, self.max_new_tokens)
         if self.max_summary_tokens is not None and self.max_summary_tokens < 1:
             raise ConfigError(f"max_summary_tokens must be at least 1, got {self.max_summary_tokens}")
+        if self.end_on_sentence is not None and not 0 < self.end_on_sentence <= 1:
+            raise ConfigError(f"end_on_sentence must be a share of the budget in (0, 1], got {self.end_on_sentence}")
         if set(self.instructions) != set(INSTRUCTIONS):
             raise ConfigError(f"instructions must be given for exactly {', '.join(INSTRUCTIONS)}")
         for kind, instruction in self.instructions.items():
@@ -96,11 +106,14 @@ class DocumentSummarizer:
     def summarize(self, doc_id: str, text: str, reference: str | None = None) -> dict:
         """The output row of one document; raises RowError when it cannot be summarized."""
         answered: list[dict] = []
+        final_finish: list[str | None] = [None]
 
         def summarize_requests(requests: list[SummaryRequest]) -> list[str]:
             calls = [(self._prompt_ids(r), self._max_new_tokens(r), self._params(doc_id, r)) for r in requests]
             results = self.generate_many(calls)
             answered.extend(results)
+            if requests[-1].kind in FINAL_KINDS:
+                final_finish[0] = results[-1].get("finish_reason")
             with self._tokenizing:
                 return [self.tokenizer.decode(r["token_ids"], skip_special_tokens=True).strip() for r in results]
 
@@ -114,6 +127,7 @@ class DocumentSummarizer:
         row = {
             "id": doc_id,
             "summary": outcome.summary,
+            "finish_reason": final_finish[0],
             "status": STATUS_OK,
             "error": None,
             "model": self.settings.model,
@@ -147,12 +161,17 @@ class DocumentSummarizer:
         return self.settings.max_new_tokens
 
     def _params(self, doc_id: str, request: SummaryRequest) -> SamplingParams:
-        """Seeded sampling gives each request its own seed, derived from the document and its place,
-        so that a rerun (or a retried request) draws the same tokens wherever it runs."""
-        if self.settings.params.greedy or self.settings.params.seed is None:
-            return self.settings.params
-        key = f"{self.settings.params.seed}:{doc_id}:{request.level}:{request.index}".encode()
-        return replace(self.settings.params, seed=int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1)
+        """The request's sentence rule, from its budget. Seeded sampling gives each request its own
+        seed, derived from the document and its place, so that a rerun (or a retried request) draws
+        the same tokens wherever it runs."""
+        params = self.settings.params
+        if self.settings.end_on_sentence is not None:
+            after = max(1, math.ceil(self.settings.end_on_sentence * self._max_new_tokens(request)))
+            params = replace(params, end_on_sentence_after=after)
+        if params.greedy or params.seed is None:
+            return params
+        key = f"{params.seed}:{doc_id}:{request.level}:{request.index}".encode()
+        return replace(params, seed=int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1)
 
     def _template_tokens(self, kind: str) -> int:
         return len(build_prompt(self.tokenizer, ".", None, instruction=self.settings.instructions[kind]).token_ids)

@@ -19,8 +19,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.decoding.stopping import FINISH_REASONS
 from pipeline.summarization.output import OUTPUT_SCHEMA, read_output
-from pipeline.summarization.quality import repetitions
+from pipeline.summarization.quality import ends_on_sentence, repetitions
 from tests.builders import REPO, sample_documents
 
 pytestmark = pytest.mark.ray
@@ -65,8 +66,8 @@ def bad_rows_parquet(tmp_path_factory) -> tuple[Path, list[dict]]:
 
 
 # What both runs over the bad rows share; fp32, so that batches and pipeline stages give the same tokens.
-BAD_ROWS_ARGS = ["--max-new-tokens", "16", "--max-chunk-tokens", "512", "--strategy", "ar", "--dtype", "fp32",
-                 "--threads-per-replica", "1"]  # fmt: skip
+BAD_ROWS_ARGS = ["--max-new-tokens", "16", "--max-summary-tokens", "16", "--max-chunk-tokens", "512",
+                 "--strategy", "ar", "--dtype", "fp32", "--threads-per-replica", "1"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +93,7 @@ def test_one_output_row_per_input_row(bad_rows_parquet, two_replicas_run):
         (row,) = by_id[good]
         assert row["status"] == "ok" and row["summary"] and row["error"] is None, row
         assert row["output_tokens"] > 0 and row["prompt_tokens"] > 0 and row["finished_at"] is not None
+        assert row["finish_reason"] in FINISH_REASONS
     assert by_id["short"][0]["num_chunks"] == 1 and by_id["short"][0]["rouge1"] is None
     long_row = by_id[rows[1]["id"]][0]
     assert long_row["num_chunks"] >= 3 and long_row["rouge1"] is not None
@@ -123,7 +125,8 @@ def test_resume_after_a_killed_run_writes_each_id_once(tiny_chat_checkpoint, tmp
     pa_rows.to_json(input_path, orient="records", lines=True)
     out = tmp_path / "out"
     args = ["--input", input_path, "--output", out, "--model", tiny_chat_checkpoint, "--max-new-tokens", "24",
-            "--max-chunk-tokens", "384", "--strategy", "ar", "--documents-in-flight", "1"]
+            "--max-summary-tokens", "24", "--max-chunk-tokens", "384", "--strategy", "ar",
+            "--documents-in-flight", "1"]
 
     job = subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], env=job_env(), cwd=REPO,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -167,7 +170,8 @@ def test_a_killed_summarize_actor_is_restarted_and_every_row_written_once(tiny_c
     pa.Table.from_pylist(rows).to_pandas().to_json(input_path, orient="records", lines=True)
     out = tmp_path / "out"
     args = ["--input", input_path, "--output", out, "--model", tiny_chat_checkpoint, "--max-new-tokens", "24",
-            "--max-chunk-tokens", "384", "--strategy", "ar", "--documents-in-flight", "2"]  # fmt: skip
+            "--max-summary-tokens", "24", "--max-chunk-tokens", "384", "--strategy", "ar",
+            "--documents-in-flight", "2"]  # fmt: skip
     job = subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], env=job_env(), cwd=REPO,
                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)  # fmt: skip
     try:
@@ -244,7 +248,7 @@ def test_pipeline_parallel_replicas_write_the_same_summaries(
 @pytest.mark.slow
 def test_default_run_on_a_bundled_document(tmp_path):
     """The no-argument job (embedded model, bundled documents, default strategy), reduced to one
-    document and short answers."""
+    document and short map answers; the final summary's budget and sentence rule are the defaults."""
     result = run_job("--output", tmp_path, "--ids", "gao-26-109008", "--max-new-tokens", "24",
                      "--max-chunk-tokens", "2048")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -252,4 +256,6 @@ def test_default_run_on_a_bundled_document(tmp_path):
     assert row["status"] == "ok" and row["strategy"] == "knapspec-lookup", row
     assert row["num_chunks"] >= 3 and row["rouge1"] > 0 and len(row["summary"].split()) > 5
     assert not repetitions(row["summary"]), row["summary"]  # the default repetition control holds
+    # It ends on a sentence, or its column says why not.
+    assert ends_on_sentence(row["summary"]) or row["finish_reason"] in ("eos", "length"), row
     assert "| 1 | 1 | 0 |" in result.stdout

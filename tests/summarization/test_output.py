@@ -95,25 +95,26 @@ def test_output_path_must_be_a_folder(tmp_path):
 
 def test_run_totals_table():
     totals = RunTotals()
-    totals.add_table(rows_to_table([ok_row("a", rouge1=0.5, rouge2=0.25, rougeL=0.4), ok_row("b"),
-                                    error_row("c", "empty", "m", "ar")]))
+    totals.add_table(rows_to_table([ok_row("a", rouge1=0.5, rouge2=0.25, rougeL=0.4, finish_reason="sentence"),
+                                    ok_row("b", finish_reason="trimmed"), error_row("c", "empty", "m", "ar")]))
     other = RunTotals()
     other.add_table(rows_to_table([ok_row("d", drafted_tokens=10, accepted_tokens=7, rouge1=0.3, rouge2=0.05,
-                                          rougeL=0.2)]))
+                                          rougeL=0.2, finish_reason="sentence")]))
     totals.merge(other)
     assert (totals.rows, totals.ok, totals.errors, totals.chunks) == (4, 3, 1, 6)
     assert totals.decoding.output_tokens == 30 and totals.acceptance_rate == pytest.approx(0.7)
     assert totals.rouge("rouge1") == pytest.approx(0.4) and totals.first_errors == ["c: empty"]
     lines = totals.table(wall_s=36.0).splitlines()
-    assert len(lines) == 3 and lines[2].startswith("| 4 | 3 | 1 | 6 | 300 | 30 |") and lines[2].endswith("| 300.0 |")
+    assert len(lines) == 5 and lines[2].startswith("| 4 | 3 | 1 | 6 | 300 | 30 |") and lines[2].endswith("| 300.0 |")
     # The run's throughput over the wall clock, not the rows' summed (overlapping) times.
     assert "| 8.3 | 0.83 | 0.700 |" in lines[2] and "prompt tok/s | output tok/s" in lines[0]
     assert totals.table(wall_s=0.0).splitlines()[2].endswith("| – |")
+    assert lines[4] == "How the summaries ended (finish_reason): sentence 2, trimmed 1"  # of the ok rows
 
 
 def test_schema_is_fixed():
     assert OUTPUT_COLUMNS == (
-        "id", "summary", "status", "error", "model", "strategy", "prompt_tokens", "output_tokens", "num_chunks",
+        "id", "summary", "finish_reason", "status", "error", "model", "strategy", "prompt_tokens", "output_tokens", "num_chunks",
         "steps", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_len", "mean_skipped_attn",
         "mean_skipped_mlp", "prefill_s", "decode_s", "tokens_per_s", "rouge1", "rouge2", "rougeL", "finished_at",
     )

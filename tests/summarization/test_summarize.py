@@ -3,6 +3,8 @@ fan out together, statistics add up, ROUGE appears only with a reference."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pipeline.decoding.sampling import SamplingParams
@@ -27,18 +29,19 @@ class FakeReplica:
     def __init__(self, tokenizer, answer: str = "The agency should improve oversight of its programs.") -> None:
         self.answer_ids = tokenizer.encode(answer, add_special_tokens=False)
         self.batches: list[list[tuple]] = []
+        self.finish_reasons: dict[int, str] = {}  # by budget; default "eos"
 
     def generate_many(self, calls):
         self.batches.append(calls)
         return [
             {
                 "token_ids": self.answer_ids,
-                "finish_reason": "eos",
+                "finish_reason": self.finish_reasons.get(max_new, "eos"),
                 "stats": {"prompt_tokens": len(ids), "output_tokens": len(self.answer_ids), "steps": 4,
                           "drafted_tokens": 8, "accepted_tokens": 6, "prefill_s": 0.5, "decode_s": 0.25},
                 "extra": {"mean_skipped_attn": 3.0, "mean_skipped_mlp": 1.0},
             }
-            for ids, _, _ in calls
+            for ids, max_new, _ in calls
         ]
 
 
@@ -64,6 +67,26 @@ def test_the_final_summary_has_its_own_budget_and_instructions_their_checks(toke
         SummarizeSettings(model="m", strategy="ar", instructions={"document": "{document}"})
 
 
+def test_answers_end_on_a_sentence_past_a_share_of_their_budget(tokenizer):
+    doc = document("gao-26-107759")
+    replica = FakeReplica(tokenizer)
+    replica.finish_reasons = {48: "length", 160: "trimmed"}
+    settings = SummarizeSettings(
+        model="m", strategy="ar", max_new_tokens=48, max_summary_tokens=160, max_prompt_tokens=2048, end_on_sentence=0.5
+    )
+    row = DocumentSummarizer(tokenizer, replica.generate_many, settings).summarize(doc["id"], doc["text"])
+    assert {params.end_on_sentence_after for _, _, params in replica.batches[0]} == {24}  # map summaries too
+    assert [params.end_on_sentence_after for _, _, params in replica.batches[-1]] == [80]
+    assert row["finish_reason"] == "trimmed"  # the final summary's, not a map step's
+    off = FakeReplica(tokenizer)
+    settings = replace(settings, end_on_sentence=None)
+    DocumentSummarizer(tokenizer, off.generate_many, settings).summarize(doc["id"], doc["text"])
+    assert {params.end_on_sentence_after for batch in off.batches for _, _, params in batch} == {None}
+    for share in (0.0, 1.5):
+        with pytest.raises(ConfigError, match="share of the budget"):
+            SummarizeSettings(model="m", strategy="ar", end_on_sentence=share)
+
+
 def test_a_short_document_is_one_request(tokenizer):
     replica = FakeReplica(tokenizer)
     settings = SummarizeSettings(model="m", strategy="knapspec", max_new_tokens=32, max_prompt_tokens=4096)
@@ -77,7 +100,9 @@ def test_a_short_document_is_one_request(tokenizer):
 def test_a_long_document_is_chunked_and_reduced(tokenizer):
     doc = document("gao-26-107759")  # ~11k tokens
     replica = FakeReplica(tokenizer)
-    settings = SummarizeSettings(model="m", strategy="ar", max_new_tokens=48, max_prompt_tokens=2048)
+    settings = SummarizeSettings(
+        model="m", strategy="ar", max_new_tokens=48, max_summary_tokens=None, max_prompt_tokens=2048
+    )
     summarizer = DocumentSummarizer(tokenizer, replica.generate_many, settings)
     row = summarizer.summarize(doc["id"], doc["text"], doc["reference_summary"])
 
