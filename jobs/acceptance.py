@@ -8,7 +8,7 @@ full model's on those tokens (pipeline/knapspec/skip_fractions.py). Each set dra
 per step (no confidence stop) for the rest of the answer; α is the per-token acceptance that
 explains its tokens per verification. Greedy, so every answer equals plain decoding's.
 
-    python jobs/acceptance.py --ids gao-26-107759,crs-r47194 --output jobs/acceptance-smollm2.json
+    python jobs/acceptance.py --ids gao-26-107759,crs-r47194 --output docs/results/acceptance-smollm2.json
 
 The GPU check (jobs/gpu_check.py) reads the JSON: a large model with random weights has real
 step times but no meaningful acceptance, so it borrows these α for the same skip shares.
@@ -36,7 +36,7 @@ from pipeline.summarization.prompts import build_prompt
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_INPUT = REPO / "data" / "sample.jsonl"
-DEFAULT_OUTPUT = REPO / "jobs" / "acceptance-smollm2.json"
+DEFAULT_OUTPUT = REPO / "docs" / "results" / "acceptance-smollm2.json"
 logger = logging.getLogger("acceptance")
 
 

@@ -11,7 +11,7 @@
 2. KnapSpec there: the draft step of sub-networks that skip given shares of the attention
    and MLP items, timed at each batch and context, and the speed-up KnapSpec would predict
    from those times with the acceptance α that drafts skipping the same shares reached on a
-   real model (SmolLM2 on CPU, jobs/acceptance.py's jobs/acceptance-smollm2.json). Random
+   real model (SmolLM2 on CPU, jobs/acceptance.py's docs/results/acceptance-smollm2.json). Random
    weights have no meaningful acceptance of their own: the speed-ups are predictions.
 3. Greedy equality on a tiny random model on the device: each request's tokens decoded in
    one continuous batch (mixed prompt lengths and limits, prompt lookup drafts) against the
@@ -50,7 +50,7 @@ from pipeline.model.precision import MAX_DRIFT, row_drift
 from profiling.device_profile import shaped_model, shaped_tensors
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_ACCEPTANCE = REPO / "jobs" / "acceptance-smollm2.json"
+DEFAULT_ACCEPTANCE = REPO / "docs" / "results" / "acceptance-smollm2.json"
 logger = logging.getLogger("gpu_check")
 
 # Llama-3.1-8B's shapes; "tiny" keeps the same structure small enough for a CPU.

@@ -37,7 +37,7 @@ logger = logging.getLogger("summary_quality")
 # requests: summaries of consecutive parts, combined).
 REDUCE_INSTRUCTIONS = {
     "job": None,  # what the summarize job uses now (prompts.INSTRUCTIONS)
-    "previous": {  # the job's until the sweep in README's "Summary quality" chose "job"
+    "previous": {  # the job's until the sweep in docs/summary-quality.md chose "job"
         "summaries": (
             "The following are summaries of consecutive parts of one document. "
             "Combine them into a single summary of the whole document in a few sentences.\n\n{document}"

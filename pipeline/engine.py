@@ -120,7 +120,7 @@ REGISTRY: dict[str, Strategy] = {
     ),
 }
 STRATEGIES = tuple(REGISTRY)
-# Requests a replica decodes together unless told otherwise (see README, "Batches").
+# Requests a replica decodes together unless told otherwise (docs/speed.md, "Batches").
 DEFAULT_MAX_BATCH = 8
 SEARCHING_STRATEGIES = tuple(name for name, strategy in REGISTRY.items() if strategy.searching)
 

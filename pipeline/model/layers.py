@@ -26,7 +26,7 @@ FUSED_ATTENTION_MIN_TOKENS = 16
 # On CUDA a short block's attention reads its keys in multiples of this many (the extra ones
 # masked): the scores' rows are the leading dimension of both half-precision GEMMs, and cuBLAS
 # takes a much slower kernel when a row is not a multiple of 16 bytes — with one key more every
-# decode step, every other step would (jobs/gpu_check-h200.md). The CPU reads exactly its keys.
+# decode step, every other step would (docs/results/gpu_check-h200.md). The CPU reads exactly its keys.
 CUDA_KEY_ALIGN = 8
 
 

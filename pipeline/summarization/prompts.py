@@ -16,7 +16,7 @@ INSTRUCTIONS = {
     "part": "Summarize the following part of a longer document in a few sentences.\n\n{document}",
     # The reduce steps ask for notes to be merged: asked to "summarize the following summaries",
     # SmolLM2 often repeats the instruction or calls the text "a continuation of the previous
-    # document". Chosen by measurement (jobs/summary_quality.py; README, "Summary quality").
+    # document". Chosen by measurement (jobs/summary_quality.py; docs/summary-quality.md).
     "part-summaries": (
         "Below are notes on consecutive parts of a long document. Merge them into shorter notes, "
         "keeping each main point once.\n\n{document}"

@@ -39,11 +39,11 @@ GenerateMany = Callable[[list[tuple[list[int], int, SamplingParams]]], list[dict
 
 # Greedy decoding of a small model loops ("She is very strange. She is very strange. ..."),
 # mostly in the reduce step. No 3-gram twice in an answer, chosen by measurement on the bundled
-# documents (README, "Summary quality"); over the answer only, so that it may still quote its
+# documents (docs/summary-quality.md); over the answer only, so that it may still quote its
 # document. A hard ban, unlike a penalty, also rules out a loop on documents not measured.
 DEFAULT_SUMMARY_PARAMS = SamplingParams(no_repeat_ngram_size=3, repetition_scope="answer")
 # Chosen by measurement with the final budget below (docs/summary-quality.md).
-DEFAULT_END_ON_SENTENCE = 0.5
+DEFAULT_END_ON_SENTENCE = 0.9
 DEFAULT_MAX_SUMMARY_TOKENS = 128
 
 

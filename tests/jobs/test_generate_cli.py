@@ -220,8 +220,18 @@ def test_skip_item_out_of_range():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("repetition", [[], ["--no-repeat-ngram-size", "3", "--repetition-penalty", "1.2"]])
+@pytest.mark.parametrize(
+    "repetition",
+    [
+        [],
+        ["--no-repeat-ngram-size", "3", "--repetition-penalty", "1.2"],
+        # A document whose answer has a sentence end past 4 tokens (the later flags win).
+        ["--end-on-sentence-after", "4", "--id", "rfc3986", "--max-new-tokens", "24"],
+    ],
+)
 def test_greedy_output_is_the_same_for_every_strategy(repetition):
+    """transformers' generate() (`hf`) stops at EOS and the budget only: the sentence rule cuts its
+    stream afterwards, and must give what the loop's rule gives online."""
     records = {}
     for strategy in ("ar", "static", "hf"):
         proc = run_cli(
@@ -231,14 +241,15 @@ def test_greedy_output_is_the_same_for_every_strategy(repetition):
         assert proc.returncode == 0, proc.stderr
         records[strategy] = json.loads(proc.stdout)  # stdout holds the JSON object and nothing else
 
+    sentence_rule = repetition[:1] == ["--end-on-sentence-after"]
     keys = {"id", "token_ids", "text", "prompt_tokens", "output_tokens", "strategy", "truncated", "finish_reason"}
     for strategy, record in records.items():
         assert keys | {"stats"} <= record.keys()
-        assert record["id"] == SAMPLE_ID and record["strategy"] == strategy
+        assert record["id"] == (SAMPLE_ID if not sentence_rule else "rfc3986") and record["strategy"] == strategy
         assert record["output_tokens"] == len(record["token_ids"]) == record["stats"]["output_tokens"]
         assert all(isinstance(t, int) for t in record["token_ids"])
         assert record["truncated"] is True and record["prompt_tokens"] <= 600
-        assert record["finish_reason"] in ("eos", "length")
+        assert record["finish_reason"] in (("sentence",) if sentence_rule else ("eos", "length"))
         assert record["text"].strip()
     assert records["ar"]["token_ids"] == records["static"]["token_ids"] == records["hf"]["token_ids"]
     assert len({r["prompt_tokens"] for r in records.values()}) == 1
