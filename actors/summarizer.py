@@ -37,6 +37,7 @@ from pipeline.model import checkpoint
 from pipeline.summarization.stage import SummarizeBatch
 from pipeline.summarization.summarizer import (
     DEFAULT_END_ON_SENTENCE,
+    DEFAULT_MAX_DOCUMENT_BYTES,
     DEFAULT_MAX_SUMMARY_TOKENS,
     DEFAULT_SUMMARY_PARAMS,
     SummarizeSettings,
@@ -63,6 +64,7 @@ class SummarizerConfig:
     max_summary_tokens: int | None = DEFAULT_MAX_SUMMARY_TOKENS  # the final summary's; None: max_new_tokens
     end_on_sentence: float | None = DEFAULT_END_ON_SENTENCE  # share of a budget after which answers end on a sentence
     max_chunk_tokens: int = 4096  # prompt budget of one request, template included
+    max_document_bytes: int | None = DEFAULT_MAX_DOCUMENT_BYTES  # a longer text is its row's error; None: no limit
     dtype: str = "auto"
     device: str = "cpu"
     params: SamplingParams = DEFAULT_SUMMARY_PARAMS
@@ -118,6 +120,9 @@ class Summarizer:
             max_new_tokens=config.max_new_tokens,
             max_summary_tokens=config.max_summary_tokens,
             end_on_sentence=config.end_on_sentence,
+            max_document_bytes=config.max_document_bytes,
+            # A document keeps at most every replica's batch busy; beyond that, others' requests interleave.
+            max_requests_in_flight=config.replicas * config.pipeline_parallel * config.max_batch,
             max_prompt_tokens=min(config.max_chunk_tokens, self.pool.max_context - _longest_answer(config)),
             params=config.params,
         )

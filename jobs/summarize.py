@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import time
 from collections import Counter
@@ -48,6 +49,14 @@ def _id_list(value: str) -> frozenset[str]:
     return ids
 
 
+def _output_folder(value: str) -> Path:
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", value):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is a URI; the output is a folder path, local or on a filesystem every node mounts"
+        )
+    return Path(value)
+
+
 def _share_or_off(value: str) -> float | None:
     if value.strip().lower() == "off":
         return None
@@ -73,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(default: the bundled sample documents)",
     )
     data.add_argument(
-        "--output", type=Path, default=Path("out"), help=f"output folder; rows go to OUTPUT/{OUTPUT_NAME}/"
+        "--output", type=_output_folder, default=Path("out"), help=f"output folder; rows go to OUTPUT/{OUTPUT_NAME}/"
     )
     data.add_argument("--id-column", default="id")
     data.add_argument("--text-column", default="text")
@@ -82,6 +91,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     data.add_argument("--ids", type=_id_list, help="summarize only these ids (comma-separated)")
     data.add_argument("--limit", type=positive_int, help="summarize only the first N input rows")
+    data.add_argument(
+        "--max-document-bytes",
+        type=positive_int,
+        default=Defaults.max_document_bytes,
+        help="a row whose text is longer is an error row, before it is tokenized "
+        f"(default {Defaults.max_document_bytes:,}: ~2.3M tokens of English)",
+    )
     data.add_argument("--resume", action="store_true", help="skip ids already written with status ok, redo the rest")
     data.add_argument("--overwrite", action="store_true", help="replace the rows of an earlier run")
 
@@ -174,7 +190,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _check_args(args: argparse.Namespace):
-    """Everything checkable before Ray starts: input, output, settings. Returns (input spec, resume state)."""
+    """Everything checkable before Ray starts: input, output, settings. Returns the input spec, the
+    resume state, and the output folder's lock, held."""
     from pipeline.engine import StrategyConfig
     from pipeline.errors import ConfigError
     from pipeline.model import checkpoint
@@ -183,6 +200,7 @@ def _check_args(args: argparse.Namespace):
     from pipeline.parallel.tensor_parallel import check_tensor_parallel
     from pipeline.summarization.inputs import resolve_input
     from pipeline.summarization.output import prepare_output
+    from pipeline.summarization.output_lock import OutputLock
 
     if (args.pipeline_parallel > 1 or args.tensor_parallel > 1) and args.strategy in ("hf", "hf-lookup"):
         raise ConfigError(f"--strategy {args.strategy} runs transformers in one process; it has no pipeline form")
@@ -197,8 +215,15 @@ def _check_args(args: argparse.Namespace):
     sampling_params(args)
     if args.model is not None:
         checkpoint.resolve_checkpoint(args.model)
-    resume = prepare_output(args.output / OUTPUT_NAME, args.resume, args.overwrite)
-    return spec, resume
+    # One run per output folder, held from before it touches the folder until the run ends.
+    lock = OutputLock(args.output / OUTPUT_NAME)
+    lock.acquire()
+    try:
+        resume = prepare_output(args.output / OUTPUT_NAME, args.resume, args.overwrite)
+    except BaseException:
+        lock.release()
+        raise
+    return spec, resume, lock
 
 
 def _expected_rows(id_counts, num_rows: int, args: argparse.Namespace, done_ids) -> int:
@@ -247,14 +272,15 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.summarization.rows import find_duplicate_ids, id_census
     from pipeline.summarization.sink import SummarySink
 
-    spec, resume = _check_args(args)
+    spec, resume, lock = _check_args(args)
     started = time.perf_counter()
-    # The embedded model is converted once here, not by every replica at once.
-    checkpoint.resolve_checkpoint(args.model, args.cache_dir)
-    local = _init_ray(args.address)
     summarize = None
     census = None
+    local = False
     try:
+        # The embedded model is converted once here, not by every replica at once.
+        checkpoint.resolve_checkpoint(args.model, args.cache_dir)
+        local = _init_ray(args.address)
         documents = read_documents(spec)
         if args.ids is None:
             # The census is a pass over the input (Ray Data tasks on the cores the replicas leave
@@ -269,6 +295,7 @@ def run(args: argparse.Namespace) -> int:
                 max_new_tokens=args.max_new_tokens,
                 max_summary_tokens=args.max_summary_tokens,
                 end_on_sentence=args.end_on_sentence,
+                max_document_bytes=args.max_document_bytes,
                 max_chunk_tokens=args.max_chunk_tokens,
                 dtype=args.dtype,
                 device=args.device,
@@ -317,6 +344,7 @@ def run(args: argparse.Namespace) -> int:
             summarize.shutdown()
         if local:
             ray.shutdown()
+        lock.release()
     wall_s = time.perf_counter() - started
     totals = sink.totals
     print(f"\nWrote {totals.rows} rows to {args.output / OUTPUT_NAME} in {wall_s:.0f} s", end="")

@@ -61,6 +61,7 @@ STATUS_OK = "ok"
 STATUS_ERROR = "error"
 PART_SUFFIX = ".parquet"
 _TMP_SUFFIX = ".tmp"
+UNREADABLE_SUFFIX = ".unreadable"  # a part that --resume could not read, set aside
 
 
 def error_row(row_id: str | None, message: str, model: str, strategy: str) -> dict[str, Any]:
@@ -89,8 +90,20 @@ def write_part(folder: Path, table: pa.Table) -> Path:
     final = folder / f"part-{uuid.uuid4().hex}{PART_SUFFIX}"
     tmp = final.with_name(final.name + _TMP_SUFFIX)
     pq.write_table(table.cast(OUTPUT_SCHEMA), tmp)
+    # On disk before the rename, and the rename on disk before the rows count as written: a
+    # crash leaves the part whole or absent, never a 0-byte file under its final name.
+    _fsync(tmp)
     os.replace(tmp, final)
+    _fsync(folder)
     return final
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def part_files(folder: Path) -> list[Path]:
@@ -145,7 +158,15 @@ def prepare_output(folder: Path, resume: bool, overwrite: bool) -> ResumeState:
     done: set[str] = set()
     kept = dropped = 0
     for f in files:
-        table = pq.read_table(f, schema=OUTPUT_SCHEMA)
+        try:
+            table = pq.read_table(f, schema=OUTPUT_SCHEMA)
+        except (OSError, pa.ArrowException) as e:
+            # A part a crash tore (written before parts were synced, or by another tool): its rows
+            # are redone; the file is kept aside, not deleted, for whoever wants to look.
+            aside = f.with_name(f"_{f.name}{UNREADABLE_SUFFIX}")  # "_": Arrow's dataset readers skip it
+            os.replace(f, aside)
+            logger.warning("Set aside the unreadable part %s as %s (%s); its rows are redone", f.name, aside.name, e)
+            continue
         ok = [status == STATUS_OK and row_id is not None for row_id, status in zip(
             table.column("id").to_pylist(), table.column("status").to_pylist()
         )]

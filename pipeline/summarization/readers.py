@@ -167,14 +167,31 @@ def _jsonl_row(raw: bytes, source: str, columns: _Columns) -> _Row:
         return (None, None, None, f"{source}: a JSON {_json_type(obj)}, not an object", source)
 
     row_id, id_error = _jsonl_id(obj.get(columns.id), columns.id)
+    if row_id is not None and (at := _lone_surrogate(row_id)) is not None:
+        # Written escaped ("\\ud83d"), so that the error row can still be matched to its line.
+        id_error = f"{source}: {columns.id} holds a lone surrogate ({row_id[at]!a}) at character {at}"
+        row_id = row_id.encode("utf-8", "backslashreplace").decode("utf-8")
     text = obj.get(columns.text)
     text_error = None
     if text is not None and not isinstance(text, str):
         text, text_error = None, f"{columns.text} is {_json_type(text)}, not a string"
+    elif text is not None and (at := _lone_surrogate(text)) is not None:
+        text_error = f"{source}: {columns.text} holds a lone surrogate ({text[at]!a}) at character {at}"
+        text = None
     reference = obj.get(columns.reference) if columns.reference is not None else None
-    if not isinstance(reference, str):
+    if not isinstance(reference, str) or _lone_surrogate(reference) is not None:
         reference = None  # references only serve evaluation; a bad one is no reason to skip the row
     return (row_id, text, reference, id_error or text_error, source)
+
+
+def _lone_surrogate(value: str) -> int | None:
+    """Where `value` holds a lone surrogate (JSON's "\\ud83d" escape without its pair decodes to
+    one, and no UTF-8 can hold it), or None."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
 
 
 def _parse_json(line: str) -> Any:
@@ -233,19 +250,49 @@ def _normalize_batch(batch: pa.RecordBatch, columns: _Columns, label: str, first
     n = batch.num_rows
     names = set(batch.schema.names)
     nulls = pa.nulls(n, pa.string())
-    ids = batch.column(columns.id).cast(pa.string())  # resolve_input allowed only strings and integers
+    sources = [f"{label} row {first_row + i}" for i in range(n)]
+    # A string column's bytes are not checked when it is read: a value that is not UTF-8 would
+    # fail the job's first look at it, so it becomes its row's error here.
+    ids, bad_ids = _valid_utf8(batch.column(columns.id), escape=True)
+    ids = ids.cast(pa.string())  # resolve_input allowed only strings and integers
     text = batch.column(columns.text)
+    problems: list[str | None] = [None] * n
     if is_string_type(text.type):
-        text, errors = text.cast(pa.string()), nulls
+        text, bad_text = _valid_utf8(text)
+        text = text.cast(pa.string())
+        for name, bad in ((columns.text, bad_text), (columns.id, bad_ids)):
+            for i, problem in bad.items():
+                problems[i] = f"{sources[i]}: {name} is not valid UTF-8: {problem}"
     else:
         # A schema problem, but reported per row: the job still writes one error row per document.
-        errors = pa.array([f"column {columns.text!r} is {text.type}, not a string"] * n, pa.string())
+        problems = [f"column {columns.text!r} is {text.type}, not a string"] * n
         text = nulls
     reference = nulls
     if columns.reference is not None and columns.reference in names:
-        reference = batch.column(columns.reference).cast(pa.string())
-    sources = pa.array([f"{label} row {first_row + i}" for i in range(n)], pa.string())
-    return pa.Table.from_arrays([ids, text, reference, errors, sources], schema=DOCUMENT_SCHEMA)
+        reference = _valid_utf8(batch.column(columns.reference))[0].cast(pa.string())
+    errors = pa.array(problems, pa.string())
+    return pa.Table.from_arrays([ids, text, reference, errors, pa.array(sources, pa.string())], schema=DOCUMENT_SCHEMA)
+
+
+def _valid_utf8(column: pa.Array, escape: bool = False) -> tuple[pa.Array, dict[int, str]]:
+    """`column` with each string value that is not UTF-8 made null (`escape`: its bad bytes
+    written as \\xNN instead), and where each was, with its first bad byte. Non-string columns
+    pass as they are; a valid column is checked once, by Arrow."""
+    if not is_string_type(column.type):
+        return column, {}
+    try:
+        column.validate(full=True)
+        return column, {}
+    except pa.ArrowInvalid:
+        pass
+    values, bad = [], {}
+    for i, raw in enumerate(column.cast(pa.binary() if column.type == pa.string() else pa.large_binary()).to_pylist()):
+        try:
+            values.append(None if raw is None else raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            bad[i] = _utf8_problem(e, raw)
+            values.append(raw.decode("utf-8", "backslashreplace") if escape else None)
+    return pa.array(values, pa.string()), bad
 
 
 _FILE_READERS: dict[str, Callable[[Path, str, _Columns, int], Iterator[pa.Table]]] = {

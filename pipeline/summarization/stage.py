@@ -95,7 +95,7 @@ class SummarizeBatch:
         self.duplicate_ids = duplicate_ids or {}
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        return rows_to_table([self.summarize_row(row) for row in batch.to_pylist()])
+        return rows_to_table([self.summarize_row(row) for row in batch_rows(batch, self.id_column)])
 
     def summarize_row(self, row: dict) -> dict:
         started = time.perf_counter()
@@ -131,3 +131,25 @@ class SummarizeBatch:
             return out
         logger.warning("Document %r: %s", row_id, message)
         return error_row(row_id, message, self.settings.model, self.settings.strategy)
+
+
+def batch_rows(batch: pa.Table, id_column: str) -> list[dict]:
+    """The batch's rows. A row holding a string that is not UTF-8 (the job's readers catch
+    their own, but a user's dataset reaches the stage as it is) comes as its id and an
+    `input_error`, so that it becomes its own error row and the others are summarized."""
+    try:
+        return batch.to_pylist()
+    except UnicodeDecodeError:
+        pass
+    rows = []
+    for i in range(batch.num_rows):
+        row = batch.slice(i, 1)
+        try:
+            rows.append(row.to_pylist()[0])
+        except UnicodeDecodeError as e:
+            try:
+                row_id = row.column(id_column).to_pylist()[0] if id_column in row.column_names else None
+            except UnicodeDecodeError:
+                row_id = None
+            rows.append({id_column: row_id, "input_error": f"a value is not valid UTF-8: {e.reason} at byte {e.start}"})
+    return rows

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.stats import GenerationStats
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, RowError
 from pipeline.summarization.chunking import SummaryRequest, check_chunk_budget, map_reduce
 from pipeline.summarization.output import STATUS_OK, now
 from pipeline.summarization.prompts import INSTRUCTIONS, build_prompt
@@ -45,6 +45,10 @@ DEFAULT_SUMMARY_PARAMS = SamplingParams(no_repeat_ngram_size=3, repetition_scope
 # Chosen by measurement with the final budget below (docs/summary-quality.md).
 DEFAULT_END_ON_SENTENCE = 0.9
 DEFAULT_MAX_SUMMARY_TOKENS = 128
+# A row over this many bytes of text is an error before it is tokenized: 10 MB is ~2.3M SmolLM2
+# tokens (4.4 bytes each on the bundled documents), ~550 chunk requests, and ~80 minutes of a
+# 2-core CPU replica's prefill at the default job's 473 prompt tokens/s (docs/job.md).
+DEFAULT_MAX_DOCUMENT_BYTES = 10_000_000
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,10 @@ class SummarizeSettings:
     # uses its whole budget loses its unfinished last sentence (pipeline/decoding/stopping.py): map
     # summaries too, since the reduce step reads them. None: answers end at EOS or the budget.
     end_on_sentence: float | None = DEFAULT_END_ON_SENTENCE
+    max_document_bytes: int | None = DEFAULT_MAX_DOCUMENT_BYTES  # a longer text is its row's error; None: no limit
+    # Requests one document keeps at the replicas at once: a document of hundreds of chunks sends
+    # them in waves of this many, so that other documents' requests interleave. None: all at once.
+    max_requests_in_flight: int | None = None
     # The instruction of each request kind (chunking.SummaryRequest.kind), "{document}" in each.
     instructions: Mapping[str, str] = field(default_factory=lambda: dict(INSTRUCTIONS))
 
@@ -69,6 +77,9 @@ class SummarizeSettings:
         check_chunk_budget(self.max_prompt_tokens, self.max_new_tokens)
         if self.max_summary_tokens is not None and self.max_summary_tokens < 1:
             raise ConfigError(f"max_summary_tokens must be at least 1, got {self.max_summary_tokens}")
+        for name in ("max_document_bytes", "max_requests_in_flight"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1 or None, got {getattr(self, name)}")
         if self.end_on_sentence is not None and not 0 < self.end_on_sentence <= 1:
             raise ConfigError(f"end_on_sentence must be a share of the budget in (0, 1], got {self.end_on_sentence}")
         if set(self.instructions) != set(INSTRUCTIONS):
@@ -105,12 +116,24 @@ class DocumentSummarizer:
 
     def summarize(self, doc_id: str, text: str, reference: str | None = None) -> dict:
         """The output row of one document; raises RowError when it cannot be summarized."""
+        limit = self.settings.max_document_bytes
+        # A character is at most 4 bytes: a short text needs no count.
+        if (
+            limit is not None
+            and isinstance(text, str)
+            and len(text) > limit // 4
+            and (size := len(text.encode())) > limit
+        ):
+            raise RowError(f"the text is {size:,} bytes, more than the limit of {limit:,} (--max-document-bytes)")
         answered: list[dict] = []
         final_finish: list[str | None] = [None]
 
         def summarize_requests(requests: list[SummaryRequest]) -> list[str]:
             calls = [(self._prompt_ids(r), self._max_new_tokens(r), self._params(doc_id, r)) for r in requests]
-            results = self.generate_many(calls)
+            wave = self.settings.max_requests_in_flight or len(calls)
+            results = [
+                result for at in range(0, len(calls), wave) for result in self.generate_many(calls[at : at + wave])
+            ]
             answered.extend(results)
             if requests[-1].kind in FINAL_KINDS:
                 final_finish[0] = results[-1].get("finish_reason")

@@ -194,6 +194,57 @@ def test_jsonl_bad_lines_become_error_rows_and_the_rest_survive(tmp_path):
     assert messages["docs.jsonl:7"] == messages["docs.jsonl:11"] == "text is missing"
 
 
+def test_lone_surrogates_in_jsonl_become_error_rows(tmp_path):
+    """JSON's "\\ud83d" without its pair decodes to a string no UTF-8 can hold: in the text or
+    the id it fails its row (the id kept, escaped, so the row can be found); in a reference it
+    is dropped. Today's main failed the whole job on it."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text(
+        '{"id": "a", "text": "fine"}\n'
+        '{"id": "b", "text": "half an emoji: \\ud83d here"}\n'
+        '{"id": "c\\udc00", "text": "fine"}\n'
+        '{"id": "d", "text": "fine", "reference_summary": "\\ud83d"}\n',
+        encoding="utf-8",
+    )
+    rows = {r["source"]: r for r in read_rows(resolve_input(path))}
+    got = [(r["id"], r["text"], r["reference"], r["input_error"]) for r in rows.values()]
+    assert got == [
+        ("a", "fine", None, None),
+        ("b", None, None, "docs.jsonl:2: text holds a lone surrogate ('\\ud83d') at character 15"),
+        ("c\\udc00", "fine", None, "docs.jsonl:3: id holds a lone surrogate ('\\udc00') at character 1"),
+        ("d", "fine", None, None),
+    ]
+
+
+def test_invalid_utf8_in_parquet_strings_becomes_error_rows(tmp_path):
+    """Parquet does not check a string column's bytes when it is read; the job's first look at
+    the value did, and failed the whole job."""
+
+    def strings(*values: bytes) -> pa.Array:
+        offsets = [0]
+        for value in values:
+            offsets.append(offsets[-1] + len(value))
+        return pa.Array.from_buffers(
+            pa.string(),
+            len(values),
+            [None, pa.py_buffer(pa.array(offsets, pa.int32()).buffers()[1]), pa.py_buffer(b"".join(values))],
+        )
+
+    table = pa.table(
+        {
+            "id": strings(b"a", b"b", b"c\xfe"),
+            "text": strings(b"fine", b"caf\xe9 au lait", b"fine"),
+            "reference_summary": strings(b"ok", b"ok", b"\xff"),
+        }
+    )
+    rows = read_rows(resolve_input(write_parquet(tmp_path / "d.parquet", table)))
+    assert [(r["id"], r["text"], r["reference"], r["input_error"]) for r in rows] == [
+        ("a", "fine", "ok", None),
+        ("b", None, "ok", "d.parquet row 1: text is not valid UTF-8: byte 0xe9 at offset 3: invalid continuation byte"),
+        ("c\\xfe", "fine", None, "d.parquet row 2: id is not valid UTF-8: byte 0xfe at offset 1: invalid start byte"),
+    ]
+
+
 def test_invalid_utf8_txt_file_becomes_an_error_row(tmp_path):
     folder = tmp_path / "txt"
     folder.mkdir()

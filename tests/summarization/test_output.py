@@ -119,3 +119,15 @@ def test_schema_is_fixed():
         "mean_skipped_mlp", "prefill_s", "decode_s", "tokens_per_s", "rouge1", "rouge2", "rougeL", "finished_at",
     )
     assert OUTPUT_SCHEMA.field("finished_at").type == pa.timestamp("us", tz="UTC")
+
+
+def test_resume_sets_an_unreadable_part_aside(tmp_path, caplog):
+    """A 0-byte part (a crash before parts were synced) ended --resume in an ArrowInvalid traceback."""
+    write_part(tmp_path, rows_to_table([ok_row("a")]))
+    (tmp_path / "part-torn.parquet").write_bytes(b"")
+    with caplog.at_level("WARNING"):
+        state = prepare_output(tmp_path, resume=True, overwrite=False)
+    assert state.done_ids == {"a"} and "part-torn.parquet" in caplog.text
+    assert len(part_files(tmp_path)) == 1 and not (tmp_path / "part-torn.parquet").exists()
+    assert (tmp_path / "_part-torn.parquet.unreadable").exists()  # kept for whoever wants to look
+    assert read_output(tmp_path).column("id").to_pylist() == ["a"]

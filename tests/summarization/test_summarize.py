@@ -37,8 +37,15 @@ class FakeReplica:
             {
                 "token_ids": self.answer_ids,
                 "finish_reason": self.finish_reasons.get(max_new, "eos"),
-                "stats": {"prompt_tokens": len(ids), "output_tokens": len(self.answer_ids), "steps": 4,
-                          "drafted_tokens": 8, "accepted_tokens": 6, "prefill_s": 0.5, "decode_s": 0.25},
+                "stats": {
+                    "prompt_tokens": len(ids),
+                    "output_tokens": len(self.answer_ids),
+                    "steps": 4,
+                    "drafted_tokens": 8,
+                    "accepted_tokens": 6,
+                    "prefill_s": 0.5,
+                    "decode_s": 0.25,
+                },
                 "extra": {"mean_skipped_attn": 3.0, "mean_skipped_mlp": 1.0},
             }
             for ids, max_new, _ in calls
@@ -180,13 +187,15 @@ def test_batch_rows_become_output_rows(tokenizer, tiny_chat_checkpoint, monkeypa
 
     import pyarrow as pa
 
-    batch = pa.Table.from_pylist([
-        row("a", "Some text to summarize."),
-        row("b", "   "),
-        row(None, "orphan text"),
-        row("dup", "twice"),
-        row("c", None, error="c.txt is not valid UTF-8"),
-    ])
+    batch = pa.Table.from_pylist(
+        [
+            row("a", "Some text to summarize."),
+            row("b", "   "),
+            row(None, "orphan text"),
+            row("dup", "twice"),
+            row("c", None, error="c.txt is not valid UTF-8"),
+        ]
+    )
     out = stage(batch).to_pylist()
     assert [r["status"] for r in out] == ["ok", "error", "error", "error", "error"]
     assert [r["id"] for r in out] == ["a", "b", None, "dup", "c"]
@@ -199,3 +208,32 @@ def test_batch_rows_become_output_rows(tokenizer, tiny_chat_checkpoint, monkeypa
     stage.summarizer.generate_many = broken
     (failed,) = stage(pa.Table.from_pylist([row("a", "Some text.")])).to_pylist()
     assert failed["status"] == "error" and "replica lost" in failed["error"]
+
+
+def test_a_row_that_is_not_utf8_fails_alone_in_the_stage():
+    """A user's own dataset reaches the stage unchecked (the job's readers check theirs)."""
+    import pyarrow as pa
+
+    from pipeline.summarization.stage import batch_rows
+
+    text = pa.Array.from_buffers(
+        pa.string(), 2, [None, pa.array([0, 4, 8], pa.int32()).buffers()[1], pa.py_buffer(b"finebad\xff")]
+    )
+    rows = batch_rows(pa.table({"doc": ["a", "b"], "body": text}), "doc")
+    assert rows[0] == {"doc": "a", "body": "fine"}
+    assert rows[1] == {"doc": "b", "input_error": "a value is not valid UTF-8: invalid start byte at byte 3"}
+
+
+def test_an_over_size_text_is_an_error_before_it_is_tokenized_and_a_long_document_goes_in_waves(tokenizer):
+    doc = document("gao-26-107759")  # ~11k tokens: 6+ chunks of 2048
+    replica = FakeReplica(tokenizer)
+    settings = SummarizeSettings(
+        model="m", strategy="ar", max_new_tokens=48, max_prompt_tokens=2048, max_requests_in_flight=4
+    )
+    row = DocumentSummarizer(tokenizer, replica.generate_many, settings).summarize(doc["id"], doc["text"])
+    assert row["num_chunks"] >= 6 and max(len(batch) for batch in replica.batches) == 4
+    small = replace(settings, max_document_bytes=len(doc["text"].encode()) - 1)
+    with pytest.raises(RowError, match=f"more than the limit of {len(doc['text'].encode()) - 1:,}"):
+        DocumentSummarizer(tokenizer, replica.generate_many, small).summarize(doc["id"], doc["text"])
+    with pytest.raises(ConfigError, match="max_document_bytes"):
+        replace(settings, max_document_bytes=0)
