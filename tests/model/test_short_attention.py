@@ -307,3 +307,36 @@ def test_a_bf16_linear_rounds_the_kernels_sums_once_for_short_blocks():
     assert linear(x[:3], out=out) is out and torch.equal(out, short[:3])
     # A prefill chunk takes PyTorch's bf16 linear over the same weights.
     torch.testing.assert_close(linear(x).float(), (x.float() @ linear.weight.float().t() + bias), rtol=2e-2, atol=5e-2)
+
+
+def test_a_build_lock_left_by_a_killed_build_is_taken_over(caplog):
+    """A replica killed mid-compile left PyTorch's bare `lock` file, and every later build on the
+    node waited on it forever."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    flags = sa.build_flags()
+    directory = sa.build_dir(b"\0".join(path.read_bytes() for path in sa.SOURCES + sa.HEADERS), flags)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
+    ours = directory.with_name(directory.name + ".build.lock")
+    sa._private_folder(directory.parent)
+    directory.mkdir(exist_ok=True)
+    ours.write_text(json.dumps({"host": socket.gethostname(), "pid": int(gone.stdout), "started": "earlier"}))
+    (directory / "lock").write_text("")  # PyTorch's, as a killed build leaves it
+    with caplog.at_level("WARNING"):
+        module = sa.build(flags)
+    assert module is not None and "which is gone" in caplog.text
+    assert not ours.exists() and not (directory / "lock").exists()
+
+
+def test_kernels_load_only_from_a_folder_of_this_users_alone(tmp_path):
+    folder = tmp_path / "kernels"
+    sa._private_folder(folder)
+    assert folder.stat().st_mode & 0o777 == 0o700
+    folder.chmod(0o777)  # anyone could put a library there
+    with pytest.raises(PermissionError, match="not this user's alone"):
+        sa._private_folder(folder)

@@ -32,7 +32,7 @@ def test_a_stale_lock_is_reported_and_taken_over(tmp_path, caplog):
     lock.path.write_text(json.dumps({"host": socket.gethostname(), "pid": dead_pid, "started": "earlier"}))
     with caplog.at_level("WARNING"), lock:
         assert json.loads(lock.path.read_text())["pid"] == os.getpid()
-    assert f"process {dead_pid}" in caplog.text and "stale" in caplog.text
+    assert f"left by process {dead_pid}" in caplog.text and "which is gone" in caplog.text
 
 
 def test_a_lock_held_on_another_host_is_refused(tmp_path):
