@@ -9,7 +9,8 @@ Inputs: Parquet files or folders, JSONL, a `datasets` save_to_disk folder, or a 
 over chunks cut at paragraph boundaries. The output, `OUTPUT/summaries.parquet/`, holds one
 row per input row, errors included; `--resume` continues an interrupted run without
 writing any id twice. A bad path, format or column ends with one `error: ...` line and exit
-code 2 before any work starts.
+code 2 before any work starts. A run whose rows failed for the infrastructure, or more than
+--max-error-fraction of them by their input, exits 1 after writing every row.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from pipeline.logs import configure_logging
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_INPUT = REPO / "data" / "sample.jsonl"
 OUTPUT_NAME = "summaries.parquet"
+# A run where more than a tenth of the rows fail by their input is more likely misconfigured (a
+# wrong column, a wrong encoding, a size limit too low) than fed a few bad rows: it exits 1.
+DEFAULT_MAX_ERROR_FRACTION = 0.1
 
 logger = logging.getLogger("summarize")
 
@@ -55,6 +59,16 @@ def _output_folder(value: str) -> Path:
             f"{value!r} is a URI; the output is a folder path, local or on a filesystem every node mounts"
         )
     return Path(value)
+
+
+def _fraction(value: str) -> float:
+    try:
+        share = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value!r}") from None
+    if not 0 <= share <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {share}")
+    return share
 
 
 def _share_or_off(value: str) -> float | None:
@@ -97,6 +111,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=Defaults.max_document_bytes,
         help="a row whose text is longer is an error row, before it is tokenized "
         f"(default {Defaults.max_document_bytes:,}: ~2.3M tokens of English)",
+    )
+    data.add_argument(
+        "--max-error-fraction",
+        type=_fraction,
+        default=DEFAULT_MAX_ERROR_FRACTION,
+        help="exit with status 1 when more than this share of the rows failed by their input (any row failed by "
+        f"the infrastructure always does); every row is written either way (default {DEFAULT_MAX_ERROR_FRACTION})",
     )
     data.add_argument("--resume", action="store_true", help="skip ids already written with status ok, redo the rest")
     data.add_argument("--overwrite", action="store_true", help="replace the rows of an earlier run")
@@ -353,7 +374,9 @@ def run(args: argparse.Namespace) -> int:
     print(usage.line(totals.ok))
     for line in totals.first_errors:
         print(f"  error row {line}")
-    return 0
+    status, verdict = totals.outcome(args.max_error_fraction)
+    print(verdict)
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:

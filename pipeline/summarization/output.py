@@ -35,6 +35,7 @@ OUTPUT_SCHEMA = pa.schema(
         ("finish_reason", pa.string()),  # how the summary ended (pipeline/decoding/stopping.py)
         ("status", pa.string()),  # "ok" or "error"
         ("error", pa.string()),
+        ("error_kind", pa.string()),  # "input" (the row's own problem) or "infrastructure" (worth a retry)
         ("model", pa.string()),
         ("strategy", pa.string()),
         ("prompt_tokens", pa.int64()),
@@ -59,15 +60,21 @@ OUTPUT_SCHEMA = pa.schema(
 OUTPUT_COLUMNS = tuple(OUTPUT_SCHEMA.names)
 STATUS_OK = "ok"
 STATUS_ERROR = "error"
+ERROR_INPUT = "input"  # the row cannot be summarized as it is: its bytes, its id, its text, its size
+ERROR_INFRASTRUCTURE = "infrastructure"  # a replica failed it: a rerun with --resume may succeed
 PART_SUFFIX = ".parquet"
 _TMP_SUFFIX = ".tmp"
 UNREADABLE_SUFFIX = ".unreadable"  # a part that --resume could not read, set aside
 
 
-def error_row(row_id: str | None, message: str, model: str, strategy: str) -> dict[str, Any]:
+def error_row(
+    row_id: str | None, message: str, model: str, strategy: str, kind: str = ERROR_INPUT
+) -> dict[str, Any]:
     """An output row for an input row that failed: every statistic null, the reason in `error`."""
     row = dict.fromkeys(OUTPUT_COLUMNS)
-    row.update(id=row_id, status=STATUS_ERROR, error=message, model=model, strategy=strategy, finished_at=now())
+    row.update(
+        id=row_id, status=STATUS_ERROR, error=message, error_kind=kind, model=model, strategy=strategy, finished_at=now()
+    )
     return row
 
 
@@ -201,12 +208,14 @@ class RunTotals:
     rouge_counts: int = 0
     first_errors: list[str] = field(default_factory=list)
     endings: Counter = field(default_factory=Counter)  # the ok rows' finish_reason
+    error_kinds: Counter = field(default_factory=Counter)  # the error rows' error_kind
 
     def add_table(self, table: pa.Table) -> None:
         for row in table.to_pylist():
             self.rows += 1
             if row["status"] != STATUS_OK:
                 self.errors += 1
+                self.error_kinds[row["error_kind"] or ERROR_INPUT] += 1
                 if len(self.first_errors) < _ERRORS_SHOWN:
                     self.first_errors.append(f"{row['id']}: {row['error']}")
                 continue
@@ -224,6 +233,7 @@ class RunTotals:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.decoding += other.decoding
         self.endings += other.endings
+        self.error_kinds += other.error_kinds
         for name, value in other.rouge_sums.items():
             self.rouge_sums[name] = self.rouge_sums.get(name, 0.0) + value
         self.first_errors = (self.first_errors + other.first_errors)[:_ERRORS_SHOWN]
@@ -231,6 +241,22 @@ class RunTotals:
     @property
     def acceptance_rate(self) -> float | None:
         return self.decoding.acceptance_rate if self.decoding.drafted_tokens else None
+
+    def outcome(self, max_error_fraction: float) -> tuple[int, str]:
+        """The job's exit status and last line. Every row is written either way; the status says
+        whether the run can be trusted as it is: 1 when a row failed for the infrastructure
+        (a rerun with --resume retries it), or more than `max_error_fraction` of the rows failed
+        (more likely a wrong column or encoding than a few bad rows)."""
+        infrastructure = self.error_kinds[ERROR_INFRASTRUCTURE]
+        line = (
+            f"{self.ok} rows ok, {self.errors - infrastructure} failed by their input, "
+            f"{infrastructure} failed by the infrastructure"
+        )
+        if infrastructure:
+            return 1, f"{line}: rerun with --resume to retry them"
+        if self.rows and self.errors > max_error_fraction * self.rows:
+            return 1, f"{line}: more than --max-error-fraction={max_error_fraction:g} of the rows failed"
+        return 0, line
 
     def rouge(self, name: str) -> float | None:
         return self.rouge_sums[name] / self.rouge_counts if self.rouge_counts else None

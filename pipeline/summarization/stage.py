@@ -15,7 +15,7 @@ from ray.util.metrics import Counter
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.errors import ConfigError, KnapSpecError
 from pipeline.logs import configure_worker_logging
-from pipeline.summarization.output import error_row, rows_to_table
+from pipeline.summarization.output import ERROR_INFRASTRUCTURE, ERROR_INPUT, error_row, rows_to_table
 from pipeline.summarization.rows import validate_row
 from pipeline.summarization.summarizer import DocumentSummarizer, SummarizeSettings
 
@@ -116,11 +116,11 @@ class SummarizeBatch:
         started = time.perf_counter()
         try:
             out = self.summarizer.summarize(row_id, text, reference)
-        except KnapSpecError as e:
-            message = str(e)
+        except KnapSpecError as e:  # what the document asked cannot be done (too long, no progress, ...)
+            message, kind = str(e), ERROR_INPUT
         except Exception as e:  # a replica that could not recover, or a bug: the row says so, the job goes on
             logger.exception("Document %r failed", row_id)
-            message = f"{type(e).__name__}: {e}"
+            message, kind = f"{type(e).__name__}: {e}", ERROR_INFRASTRUCTURE
         else:
             # The driver shows a line per document (actors/progress.py); this one is for the worker's log.
             logger.debug(
@@ -130,7 +130,7 @@ class SummarizeBatch:
             )
             return out
         logger.warning("Document %r: %s", row_id, message)
-        return error_row(row_id, message, self.settings.model, self.settings.strategy)
+        return error_row(row_id, message, self.settings.model, self.settings.strategy, kind)
 
 
 def batch_rows(batch: pa.Table, id_column: str) -> list[dict]:

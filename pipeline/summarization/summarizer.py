@@ -153,6 +153,7 @@ class DocumentSummarizer:
             "finish_reason": final_finish[0],
             "status": STATUS_OK,
             "error": None,
+            "error_kind": None,
             "model": self.settings.model,
             "strategy": self.settings.strategy,
             "num_chunks": outcome.num_chunks,

@@ -105,7 +105,8 @@ def test_ray_job_submit_summarizes_every_row(ray_head, tiny_chat_checkpoint, tmp
     submit = subprocess.run(
         [*ray_cli(), "job", "submit", "--address", ray_head, "--working-dir", str(REPO), "--",
          "python", "jobs/summarize.py", "--input", str(input_path), "--output", str(out),
-         "--model", str(tiny_chat_checkpoint), "--max-new-tokens", "16", "--max-chunk-tokens", "512"],
+         "--model", str(tiny_chat_checkpoint), "--max-new-tokens", "16", "--max-summary-tokens", "16",
+         "--max-chunk-tokens", "512", "--max-error-fraction", "1"],  # two of four rows fail on purpose
         env=cluster_env(), capture_output=True, text=True, timeout=900,
     )
     assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-2000:]

@@ -44,10 +44,17 @@ def test_lone_surrogates_in_jsonl_fail_their_rows_only_and_a_torn_part_does_not_
     (out / OUTPUT_NAME).mkdir(parents=True)
     (out / OUTPUT_NAME / "part-torn.parquet").write_bytes(b"")  # what a crash before a sync leaves
     result = run_job("--input", path, "--output", out, "--model", tiny_chat_checkpoint, "--resume", *FAST)
-    assert result.returncode == 0, result.stderr[-3000:]
+    # Every row written; two of three failed by their input, more than the default tenth: status 1.
+    assert result.returncode == 1, result.stderr[-3000:]
+    verdict = (
+        "1 rows ok, 2 failed by their input, 0 failed by the infrastructure: "
+        "more than --max-error-fraction=0.1 of the rows failed"
+    )
+    assert verdict in result.stdout.splitlines(), result.stdout[-3000:]
     rows = rows_by_id(out)
     assert set(rows) == {"good", "bad-text", "bad-id-\\ud83d"}  # one row per input row
     assert rows["good"]["status"] == "ok"
+    assert rows["bad-text"]["error_kind"] == rows["bad-id-\\ud83d"]["error_kind"] == "input"
     assert rows["bad-text"]["error"] == "docs.jsonl:2: text holds a lone surrogate ('\\ud83d') at character 15"
     assert "id holds a lone surrogate" in rows["bad-id-\\ud83d"]["error"]
     assert "unreadable part part-torn.parquet" in result.stderr
@@ -64,7 +71,7 @@ def test_invalid_utf8_and_an_over_size_text_in_parquet_fail_their_rows_only(tiny
     pq.write_table(table, path)
     out = tmp_path / "out"
     result = run_job("--input", path, "--output", out, "--model", tiny_chat_checkpoint, *FAST,
-                     "--max-document-bytes", "500")  # fmt: skip
+                     "--max-document-bytes", "500", "--max-error-fraction", "1")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     rows = rows_by_id(out)
     assert [rows[i]["status"] for i in ("a", "b", "c", "big")] == ["ok", "error", "ok", "error"]

@@ -114,8 +114,8 @@ def test_run_totals_table():
 
 def test_schema_is_fixed():
     assert OUTPUT_COLUMNS == (
-        "id", "summary", "finish_reason", "status", "error", "model", "strategy", "prompt_tokens", "output_tokens", "num_chunks",
-        "steps", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_len", "mean_skipped_attn",
+        "id", "summary", "finish_reason", "status", "error", "error_kind", "model", "strategy", "prompt_tokens",
+        "output_tokens", "num_chunks", "steps", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_len", "mean_skipped_attn",
         "mean_skipped_mlp", "prefill_s", "decode_s", "tokens_per_s", "rouge1", "rouge2", "rougeL", "finished_at",
     )
     assert OUTPUT_SCHEMA.field("finished_at").type == pa.timestamp("us", tz="UTC")
@@ -131,3 +131,18 @@ def test_resume_sets_an_unreadable_part_aside(tmp_path, caplog):
     assert len(part_files(tmp_path)) == 1 and not (tmp_path / "part-torn.parquet").exists()
     assert (tmp_path / "_part-torn.parquet.unreadable").exists()  # kept for whoever wants to look
     assert read_output(tmp_path).column("id").to_pylist() == ["a"]
+
+
+def test_the_exit_status_tells_whether_the_run_can_be_trusted():
+    def totals(*rows) -> RunTotals:
+        run = RunTotals()
+        run.add_table(rows_to_table(list(rows)))
+        return run
+
+    fine = totals(*[ok_row(str(i)) for i in range(9)], error_row("x", "text is empty", "m", "ar"))
+    assert fine.outcome(0.1) == (0, "9 rows ok, 1 failed by their input, 0 failed by the infrastructure")
+    assert fine.outcome(0.05)[0] == 1 and "more than --max-error-fraction=0.05" in fine.outcome(0.05)[1]
+    died = totals(ok_row("a"), error_row("b", "RayActorError: the actor died", "m", "ar", "infrastructure"))
+    assert died.outcome(1.0) == (
+        1, "1 rows ok, 0 failed by their input, 1 failed by the infrastructure: rerun with --resume to retry them"
+    )
