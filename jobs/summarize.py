@@ -374,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
     print(usage.line(totals.ok))
     for line in totals.first_errors:
         print(f"  error row {line}")
-    status, verdict = totals.outcome(args.max_error_fraction)
+    status, verdict = totals.outcome(args.max_error_fraction, earlier_ok=resume.kept_rows)
     print(verdict)
     return status
 

@@ -67,9 +67,7 @@ _TMP_SUFFIX = ".tmp"
 UNREADABLE_SUFFIX = ".unreadable"  # a part that --resume could not read, set aside
 
 
-def error_row(
-    row_id: str | None, message: str, model: str, strategy: str, kind: str = ERROR_INPUT
-) -> dict[str, Any]:
+def error_row(row_id: str | None, message: str, model: str, strategy: str, kind: str = ERROR_INPUT) -> dict[str, Any]:
     """An output row for an input row that failed: every statistic null, the reason in `error`."""
     row = dict.fromkeys(OUTPUT_COLUMNS)
     row.update(
@@ -242,11 +240,12 @@ class RunTotals:
     def acceptance_rate(self) -> float | None:
         return self.decoding.acceptance_rate if self.decoding.drafted_tokens else None
 
-    def outcome(self, max_error_fraction: float) -> tuple[int, str]:
+    def outcome(self, max_error_fraction: float, earlier_ok: int = 0) -> tuple[int, str]:
         """The job's exit status and last line. Every row is written either way; the status says
-        whether the run can be trusted as it is: 1 when a row failed for the infrastructure
-        (a rerun with --resume retries it), or more than `max_error_fraction` of the rows failed
-        (more likely a wrong column or encoding than a few bad rows)."""
+        whether the output can be trusted as it is: 1 when a row failed for the infrastructure
+        (a rerun with --resume retries it), or more than `max_error_fraction` of the output's
+        rows failed (more likely a wrong column or encoding than a few bad rows). `earlier_ok`:
+        the ok rows a resumed run kept, which count among the output's rows."""
         infrastructure = self.error_kinds[ERROR_INFRASTRUCTURE]
         line = (
             f"{self.ok} rows ok, {self.errors - infrastructure} failed by their input, "
@@ -254,7 +253,7 @@ class RunTotals:
         )
         if infrastructure:
             return 1, f"{line}: rerun with --resume to retry them"
-        if self.rows and self.errors > max_error_fraction * self.rows:
+        if self.errors > max_error_fraction * (self.rows + earlier_ok):
             return 1, f"{line}: more than --max-error-fraction={max_error_fraction:g} of the rows failed"
         return 0, line
 

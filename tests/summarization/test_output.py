@@ -142,6 +142,7 @@ def test_the_exit_status_tells_whether_the_run_can_be_trusted():
     fine = totals(*[ok_row(str(i)) for i in range(9)], error_row("x", "text is empty", "m", "ar"))
     assert fine.outcome(0.1) == (0, "9 rows ok, 1 failed by their input, 0 failed by the infrastructure")
     assert fine.outcome(0.05)[0] == 1 and "more than --max-error-fraction=0.05" in fine.outcome(0.05)[1]
+    assert fine.outcome(0.05, earlier_ok=20)[0] == 0  # a resumed run's kept rows are rows of the output
     died = totals(ok_row("a"), error_row("b", "RayActorError: the actor died", "m", "ar", "infrastructure"))
     assert died.outcome(1.0) == (
         1, "1 rows ok, 0 failed by their input, 1 failed by the infrastructure: rerun with --resume to retry them"
