@@ -19,3 +19,14 @@ class UnsupportedModelError(ConfigError):
 
 class RowError(KnapSpecError):
     """One input row cannot be processed; becomes that row's `error` column."""
+
+
+class NonFiniteLogits(RowError):
+    """The model's logits for a request hold NaN or an infinity: its numbers overflowed, and
+    whatever token they pick would be garbage. The request ends with this error."""
+
+
+class DeviceFault(RuntimeError):
+    """The process's device or model state is broken past this request (a sticky CUDA error,
+    a KV pool left half-grown, a lost tensor-parallel rank): every later request would fail
+    too, so the replica exits and is restarted. Not a KnapSpecError: no row is at fault."""

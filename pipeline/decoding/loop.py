@@ -14,7 +14,14 @@ import torch
 
 from pipeline.decoding.batch_drafts import DraftBudget
 from pipeline.decoding.drafters import Draft, Drafter, DraftForward, DraftRequest, DraftSteps, NoDraft, draft_steps
-from pipeline.decoding.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
+from pipeline.decoding.sampling import (
+    SamplingParams,
+    accept_greedy,
+    accept_sampled,
+    check_finite,
+    probabilities,
+    sample,
+)
 from pipeline.decoding.stats import GenerationStats
 from pipeline.decoding.stopping import FINISH_EOS, FINISH_LENGTH, FINISH_SENTENCE, SentenceStop
 from pipeline.errors import ConfigError
@@ -260,6 +267,7 @@ class DecodingRequest:
         if self.params.greedy:
             emitted = accept_greedy(draft.token_ids, logits)
         else:
+            check_finite(logits)  # a NaN distribution would fail inside torch.multinomial, unexplained
             emitted = accept_sampled(draft.token_ids, draft.probs, probabilities(logits, self.params), self.generator)
         num_accepted = len(emitted) - 1
         self.drafter.observe(len(draft.token_ids), num_accepted)
@@ -303,6 +311,7 @@ class DecodingRequest:
 
 
 def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    check_finite(logits)
     if params.greedy:
         return int(logits.argmax())
     return sample(probabilities(logits, params), generator)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.decoding.repetition import REPETITION_SCOPES, RepetitionState
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, NonFiniteLogits
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,10 @@ def accept_greedy(draft_ids: list[int], target_logits: torch.Tensor) -> list[int
 
     target_logits: [len(draft_ids) + 1, V], row i predicting the token after draft i - 1.
     """
-    targets = target_logits.argmax(dim=-1).tolist()
+    # The targets and the rows' finiteness come back in one copy: a NaN row's argmax is garbage.
+    targets = torch.cat([target_logits.argmax(dim=-1), _non_finite(target_logits)]).tolist()
+    rows = target_logits.shape[0]
+    _raise_if_any(targets[rows:])
     emitted = []
     for draft, target in zip(draft_ids, targets):
         if draft != target:
@@ -115,6 +118,25 @@ def accept_greedy(draft_ids: list[int], target_logits: torch.Tensor) -> list[int
         emitted.append(draft)
     emitted.append(targets[len(emitted)])
     return emitted
+
+
+def check_finite(logits: torch.Tensor) -> None:
+    """Raise NonFiniteLogits if a row of `logits` [..., V] holds NaN or an infinity."""
+    _raise_if_any(_non_finite(logits.reshape(-1, logits.shape[-1])).tolist())
+
+
+def _non_finite(logits: torch.Tensor) -> torch.Tensor:
+    """[rows] of 0/1 (int64): 1 where a row's largest logit is not finite, which NaN anywhere
+    in the row makes it (amax propagates NaN), as does +inf, or a row that is all -inf."""
+    return (~torch.isfinite(logits.amax(dim=-1))).long()
+
+
+def _raise_if_any(flags: list[int]) -> None:
+    if any(flags):
+        raise NonFiniteLogits(
+            f"the model's logits are NaN or infinite (row {flags.index(1)} of {len(flags)} of a forward): "
+            "its numbers overflowed on this input; a wider dtype (--dtype fp32 or bf16) may hold them"
+        )
 
 
 def accept_sampled(

@@ -160,52 +160,109 @@ class ContinuousBatcher:
 
     def step(self) -> list[Finished]:
         """Admit what fits, then one forward: every running request's verify rows and the next
-        prefill chunk. Returns the requests that left the batch in this step."""
-        self._admit()
-        finished: list[Finished] = []
+        prefill chunk. Returns the requests that left the batch in this step.
+
+        A failure costs only its own request: a drafter, a bookkeeping step or non-finite
+        logits end the request they belong to, and a failed forward is run again in halves
+        until the request that broke it is found (`_forward_isolating`)."""
+        finished = self._admit()
         running = list(self.running.items())
-        try:
-            if running:
-                plan_together(self.model, [request for _, request in running], self.budget)
-            drafts = propose_together(self.model, [request for _, request in running]) if running else []
-        except Exception as e:  # a batched draft forward failed (a lost stage): as a failed verify
-            logger.exception("A batched draft forward of %d requests failed", len(running))
-            return [self._fail(ticket, e) for ticket, _ in running]
-        for (ticket, _), draft in zip(running, drafts):
+        drafts = self._drafts([request for _, request in running])
+        pairs = []
+        for (ticket, request), draft in zip(running, drafts):
             if isinstance(draft, Exception):  # its drafter failed: it leaves, the batch goes on
                 logger.error("Request %d: its drafter failed", ticket, exc_info=draft)
                 finished.append(self._fail(ticket, draft))
-        pairs = [(t, r, d) for (t, r), d in zip(running, drafts) if not isinstance(d, Exception)]
+            else:
+                pairs.append((ticket, request, draft))
         fitted = self.budget.fit([r for _, r, _ in pairs], [d for _, _, d in pairs])
-        pairs = [(t, r, d) for (t, r, _), d in zip(pairs, fitted)]
-        blocks = [RequestRows(r.cache, r.verify_ids(d, self.model.device), r.cache.length) for _, r, d in pairs]
-        chunk = self._next_chunk()
+        blocks, kept = [], []
+        for (ticket, request, _), draft in zip(pairs, fitted):
+            try:
+                blocks.append(
+                    RequestRows(request.cache, request.verify_ids(draft, self.model.device), request.cache.length)
+                )
+            except Exception as e:
+                finished.append(self._fail(ticket, e, what="its verify rows"))
+            else:
+                kept.append((ticket, request, draft))
+        pairs = kept
+        chunk = self._next_chunk(finished)
         if chunk is not None:
             blocks.append(chunk)
         if not blocks:
             return finished
         started = time.perf_counter()
-        try:
-            outputs = self.model.forward_batch(blocks, logits="all")
-        except Exception as e:
-            # Every request in this forward shares its fate; the queue goes on.
-            logger.exception("A batched forward of %d requests failed", len(blocks))
-            finished += [self._fail(ticket, e) for ticket, _, _ in pairs]
-            if chunk is not None:
-                failed = self.prefilling.popleft()
-                finished.append(self._fail(failed.ticket, e, failed.cache))
-            return finished
+        outputs, isolated = self._forward_isolating(blocks)
         seconds = time.perf_counter() - started
         self.steps += 1
-        if chunk is None:  # a prefill chunk's rows cost by other rules than the step model's
+        if chunk is None and not isolated:  # a prefill chunk's rows cost by other rules than the step model's
             self.budget.observe([r for _, r, _ in pairs], [d for _, _, d in pairs], seconds)
         for (ticket, request, draft), logits in zip(pairs, outputs):
-            request.accept(draft, logits)
-            if not request.running:
-                finished.append(self._finish(ticket, request))
+            if isinstance(logits, BaseException):
+                finished.append(self._fail(ticket, logits, what="its verify forward"))
+                continue
+            try:
+                request.accept(draft, logits)
+                if not request.running:
+                    finished.append(self._finish(ticket, request))
+            except Exception as e:  # its acceptance or result: this request's own, the batch goes on
+                finished.append(self._fail(ticket, e, what="its acceptance"))
         if chunk is not None:
             finished += self._chunk_done(chunk, outputs[-1], seconds)
         return finished
+
+    def _drafts(self, requests: list[DecodingRequest]) -> list:
+        """Each running request's draft (or the exception its drafter raised). A batched draft
+        forward that fails is tried again one request at a time, so that only the requests
+        that fail alone fail."""
+        if not requests:
+            return []
+        try:
+            plan_together(self.model, requests, self.budget)
+            return propose_together(self.model, requests)
+        except Exception:
+            if len(requests) == 1:
+                raise
+            logger.exception("A batched draft of %d requests failed; drafting each alone", len(requests))
+        drafts = []
+        for request in requests:
+            try:
+                plan_together(self.model, [request], self.budget)
+                drafts += propose_together(self.model, [request])
+            except Exception as e:
+                drafts.append(e)
+        return drafts
+
+    def _forward_isolating(self, blocks: list[RequestRows]) -> tuple[list, bool]:
+        """The batched forward's outputs, and whether it had to be isolated: where it fails, the
+        halves run again (a forward only writes K/V at positions not yet committed, so a rerun
+        writes the same), recursively, until each failure is pinned on one block. When both
+        halves of a failing forward fail, the fault is taken to be the forward's, not one
+        request's, and every block gets the error (a sticky device error would otherwise cost
+        2n forwards)."""
+        try:
+            return list(self.model.forward_batch(blocks, logits="all")), False
+        except Exception as e:
+            logger.exception("A batched forward of %d blocks failed", len(blocks))
+            return self._isolate(blocks, e), True
+
+    def _isolate(self, blocks: list[RequestRows], error: BaseException) -> list:
+        if len(blocks) == 1:
+            return [error]
+        halves = [blocks[: len(blocks) // 2], blocks[len(blocks) // 2 :]]
+        outs: list = []
+        for half in halves:
+            try:
+                outs.append(list(self.model.forward_batch(half, logits="all")))
+            except Exception as e:
+                outs.append(e)
+        if all(isinstance(out, BaseException) for out in outs):
+            return [error] * len(blocks)
+        found = []
+        for half, out in zip(halves, outs):
+            found += self._isolate(half, out) if isinstance(out, BaseException) else out
+        return found
 
     def run(self) -> list[Finished]:
         """Step until every submitted request has finished."""
@@ -226,15 +283,24 @@ class ContinuousBatcher:
 
     # -------------------------------------------------------------- helpers
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Finished]:
+        """Move waiting requests into prefill while slots and KV budget allow; one whose cache
+        cannot be made fails alone."""
+        failed = []
         while self.waiting and len(self.running) + len(self.prefilling) < self.max_batch:
             ticket, request = self.waiting[0]
             needed = request.positions * self.position_bytes
             if self.reserved_bytes + needed > self.kv_budget_bytes:
-                return  # first come, first served: it waits until running requests leave
+                break  # first come, first served: it waits until running requests leave
             self.waiting.popleft()
+            try:
+                cache = self._new_cache(request.positions)
+            except Exception as e:
+                failed.append(self._fail(ticket, e, what="its admission"))
+                continue
             self._reserved[ticket] = needed
-            self.prefilling.append(_Prefilling(ticket, request, self._new_cache(request.positions)))
+            self.prefilling.append(_Prefilling(ticket, request, cache))
+        return failed
 
     def _new_cache(self, positions: int):
         """A slot of the batch's KV pool where the model has one and the pool fits the budget
@@ -250,16 +316,36 @@ class ContinuousBatcher:
             return self.model.new_cache(positions)
         return self.pool.acquire(positions) if self.pool is not None else self.model.new_cache(positions)
 
-    def _next_chunk(self) -> RequestRows | None:
-        if not self.prefilling:
-            return None
-        p = self.prefilling[0]
-        ids = p.request.prompt_ids[p.fed : p.fed + self.prefill_chunk].to(self.model.device)
-        last = p.fed + ids.numel() == p.request.prompt_ids.numel()
-        return RequestRows(p.cache, ids, p.fed, logits="last" if last else "none")
+    def _next_chunk(self, finished: list[Finished]) -> RequestRows | None:
+        """The first prefilling request's next prompt chunk (one that fails to make one leaves, into `finished`)."""
+        while self.prefilling:
+            p = self.prefilling[0]
+            try:
+                ids = p.request.prompt_ids[p.fed : p.fed + self.prefill_chunk].to(self.model.device)
+            except Exception as e:
+                self.prefilling.popleft()
+                finished.append(self._fail(p.ticket, e, p.cache, what="its prompt chunk"))
+                continue
+            last = p.fed + ids.numel() == p.request.prompt_ids.numel()
+            return RequestRows(p.cache, ids, p.fed, logits="last" if last else "none")
+        return None
 
-    def _chunk_done(self, chunk: RequestRows, logits: torch.Tensor | None, seconds: float) -> list[Finished]:
+    def _chunk_done(self, chunk: RequestRows, logits, seconds: float) -> list[Finished]:
+        """After the forward that carried a prompt chunk: the request moves on, starts decoding
+        when its prompt is in, or leaves with the forward's error or its own."""
         p = self.prefilling[0]
+        if isinstance(logits, BaseException):
+            self.prefilling.popleft()
+            return [self._fail(p.ticket, logits, p.cache, what="its prefill forward")]
+        try:
+            return self._prefill_advanced(p, chunk, logits, seconds)
+        except Exception as e:
+            if self.prefilling and self.prefilling[0] is p:
+                self.prefilling.popleft()
+            self.running.pop(p.ticket, None)
+            return [self._fail(p.ticket, e, p.cache, what="its prefill")]
+
+    def _prefill_advanced(self, p: _Prefilling, chunk: RequestRows, logits, seconds: float) -> list[Finished]:
         p.fed += chunk.token_ids.numel()
         p.seconds += seconds
         if logits is None:
@@ -278,19 +364,22 @@ class ContinuousBatcher:
         self._leave(ticket, request.cache)
         return Finished(ticket, result=request.result())
 
-    def _fail(self, ticket: int, error: BaseException, cache=None) -> Finished:
+    def _fail(self, ticket: int, error: BaseException, cache=None, what: str | None = None) -> Finished:
+        if what is not None:
+            logger.error("Request %d failed in %s: %s: %s", ticket, what, type(error).__name__, error)
         request = self.running.get(ticket)
-        self._leave(ticket, request.cache if request is not None else cache)
+        # What a failed request leaves in its slot (NaN, say) must not reach the slot's next one.
+        self._leave(ticket, request.cache if request is not None else cache, scrub=True)
         return Finished(ticket, error=error)
 
-    def _leave(self, ticket: int, cache) -> None:
+    def _leave(self, ticket: int, cache, scrub: bool = False) -> None:
         self.running.pop(ticket, None)
         self._reserved.pop(ticket, None)
-        self._release(cache)
+        self._release(cache, scrub)
 
-    def _release(self, cache) -> None:
+    def _release(self, cache, scrub: bool = False) -> None:
         if isinstance(cache, PooledCache):
-            cache.pool.release(cache)
+            cache.pool.release(cache, scrub=scrub)
             return
         # A model whose caches live elsewhere (pipeline stages) frees them when told.
         release = getattr(self.model, "release", None)

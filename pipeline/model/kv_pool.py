@@ -101,18 +101,28 @@ class KVPool:
         slot.length = cache.length
         return slot
 
-    def release(self, cache: PooledCache) -> None:
+    def release(self, cache: PooledCache, scrub: bool = False) -> None:
+        """Free the cache's slot. `scrub`: zero it first. A batched attention reads a run of
+        slots up to its longest request and masks the rest, and a masked NaN value still
+        poisons the product (0 × NaN), so a slot a failed request may have left NaN in is
+        cleared before its next request."""
         if self.live.pop(cache.slot, None) is not None:
+            if scrub:
+                self.keys[:, cache.slot].zero_()
+                self.values[:, cache.slot].zero_()
             heapq.heappush(self._free, cache.slot)
 
     def grow(self, slot_capacity: int) -> None:
         """Larger slots: new tensors, the live caches copied and re-pointed (between forwards only)."""
-        old_keys, old_values, old_capacity = self.keys, self.values, self.slot_capacity
-        self.shape = (*self.shape[:3], slot_capacity, self.shape[4])
-        self.keys = torch.zeros(self.shape, dtype=old_keys.dtype, device=old_keys.device)
-        self.values = torch.zeros(self.shape, dtype=old_values.dtype, device=old_values.device)
-        self.keys[:, :, :, :old_capacity] = old_keys
-        self.values[:, :, :, :old_capacity] = old_values
+        old_capacity = self.slot_capacity
+        shape = (*self.shape[:3], slot_capacity, self.shape[4])
+        # Both made and filled before anything is replaced: an allocation that fails (out of
+        # memory) leaves the pool as it was, and only the request that asked for more fails.
+        keys = torch.zeros(shape, dtype=self.keys.dtype, device=self.keys.device)
+        values = torch.zeros(shape, dtype=self.values.dtype, device=self.values.device)
+        keys[:, :, :, :old_capacity] = self.keys
+        values[:, :, :, :old_capacity] = self.values
+        self.shape, self.keys, self.values = shape, keys, values
         for cache in self.live.values():
             cache.point()
 
