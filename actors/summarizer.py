@@ -34,12 +34,15 @@ from pipeline.decoding.stats import ReplicaUsage
 from pipeline.engine import DEFAULT_MAX_BATCH, EngineConfig, StrategyConfig
 from pipeline.errors import ConfigError
 from pipeline.model import checkpoint
+from pipeline.summarization.dispatch import MAX_TIMEOUTS, POISON_DEATHS
 from pipeline.summarization.stage import SummarizeBatch
 from pipeline.summarization.summarizer import (
     DEFAULT_END_ON_SENTENCE,
     DEFAULT_MAX_DOCUMENT_BYTES,
     DEFAULT_MAX_SUMMARY_TOKENS,
+    DEFAULT_REQUEST_TIMEOUT,
     DEFAULT_SUMMARY_PARAMS,
+    RequestTimeout,
     SummarizeSettings,
 )
 
@@ -80,6 +83,7 @@ class SummarizerConfig:
     id_column: str = "id"
     text_column: str = "text"
     reference_column: str | None = "reference_summary"  # ROUGE against it where a row has one
+    request_timeout: RequestTimeout = DEFAULT_REQUEST_TIMEOUT  # past it, a request's replica is judged hung
 
     def __post_init__(self) -> None:
         StrategyConfig(name=self.strategy)
@@ -136,7 +140,7 @@ class Summarizer:
         config = self.config
         in_flight = config.documents_in_flight or config.replicas * config.pipeline_parallel * config.max_batch
         actors = -(-in_flight // DOCUMENTS_PER_ACTOR)
-        return ds.map_batches(
+        out = ds.map_batches(
             SummarizeBatch,
             fn_constructor_kwargs={
                 # Names, not handles: an actor restarted by Ray Data looks them up again (stage.py).
@@ -146,6 +150,7 @@ class Summarizer:
                 "duplicate_ids": duplicate_ids or {},
                 "columns": (config.id_column, config.text_column, config.reference_column),
                 "progress": self.progress_name,
+                "request_timeout": config.request_timeout,
             },
             batch_size=1,  # a row is written as soon as its document is done
             batch_format="pyarrow",
@@ -160,6 +165,13 @@ class Summarizer:
             # must fit in what the replicas leave free.
             num_cpus=min(DATA_TASK_CPUS, (DATA_CPUS - USER_TASK_CPUS - DATA_TASK_CPUS) / actors),
         )
+        # Every request ends within its tries' timeouts, so the run cannot hang silently; Ray
+        # Data's own guard must leave a healthy run of the longest requests that long.
+        needed = config.request_timeout.no_progress_s(self.settings, MAX_TIMEOUTS + POISON_DEATHS)
+        guard = out.context.execution_no_progress_timeout_s
+        if guard != -1 and guard < needed:
+            out.context.execution_no_progress_timeout_s = needed
+        return out
 
     def progress(self, total: int | None = None) -> ProgressReporter:
         """A context that shows the run while the dataset executes inside it: a live bar and one

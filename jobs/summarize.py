@@ -71,6 +71,16 @@ def _fraction(value: str) -> float:
     return share
 
 
+def _non_negative_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r}") from None
+    if not number >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {number}")
+    return number
+
+
 def _share_or_off(value: str) -> float | None:
     if value.strip().lower() == "off":
         return None
@@ -84,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from actors.summarizer import SummarizerConfig as Defaults
     from pipeline.engine import DEFAULT_MAX_BATCH, STRATEGIES
     from pipeline.model.linear import DTYPE_CHOICES
-    from pipeline.summarization.summarizer import DEFAULT_SUMMARY_PARAMS
+    from pipeline.summarization.summarizer import DEFAULT_REQUEST_TIMEOUT, DEFAULT_SUMMARY_PARAMS
 
     parser = Parser(prog="summarize.py", description=__doc__.split("\n\n")[0])
     data = parser.add_argument_group("data")
@@ -204,6 +214,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=positive_int,
         help="documents summarized at once (default: --max-batch per replica and stage)",
     )
+    cluster.add_argument(
+        "--request-timeout",
+        type=positive_float,
+        default=DEFAULT_REQUEST_TIMEOUT.base_s,
+        metavar="SECONDS",
+        help="how long a request may take at its replica, queueing included, plus --request-timeout-per-token "
+        f"for each prompt and answer token (default {DEFAULT_REQUEST_TIMEOUT.base_s:g}); a replica past it is "
+        "judged hung and its requests go to the others until it answers again",
+    )
+    cluster.add_argument(
+        "--request-timeout-per-token",
+        type=_non_negative_float,
+        default=DEFAULT_REQUEST_TIMEOUT.per_token_s,
+        metavar="SECONDS",
+        help=f"see --request-timeout (default {DEFAULT_REQUEST_TIMEOUT.per_token_s:g})",
+    )
     parser.add_argument("--cache-dir", type=Path, help="where the embedded model's safetensors copy lives")
     add_calibration_dir_argument(parser, os.environ)
     parser.add_argument("--quiet", action="store_true", help="log warnings only")
@@ -292,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.summarization.datasource import read_documents
     from pipeline.summarization.rows import find_duplicate_ids, id_census
     from pipeline.summarization.sink import SummarySink
+    from pipeline.summarization.summarizer import RequestTimeout
 
     spec, resume, lock = _check_args(args)
     started = time.perf_counter()
@@ -330,6 +357,7 @@ def run(args: argparse.Namespace) -> int:
                 documents_in_flight=args.documents_in_flight,
                 cache_dir=args.cache_dir,
                 calibration_dir=args.calibration_dir,
+                request_timeout=RequestTimeout(args.request_timeout, args.request_timeout_per_token),
                 # The reader's columns (readers.DOCUMENT_SCHEMA), whatever the input called them.
                 id_column="id",
                 text_column="text",

@@ -30,3 +30,23 @@ class DeviceFault(RuntimeError):
     """The process's device or model state is broken past this request (a sticky CUDA error,
     a KV pool left half-grown, a lost tensor-parallel rank): every later request would fail
     too, so the replica exits and is restarted. Not a KnapSpecError: no row is at fault."""
+
+
+# What a CUDA error that poisons its context says: every later kernel of the process fails too.
+_STICKY_DEVICE_ERRORS = (
+    "illegal memory access",
+    "device-side assert",
+    "unspecified launch failure",
+    "CUBLAS_STATUS_EXECUTION_FAILED",
+    "misaligned address",
+    "NCCL error",
+)
+
+
+def is_device_fault(error: BaseException) -> bool:
+    """Whether `error` leaves its process unable to serve another request (DeviceFault, or a
+    sticky CUDA error); an out-of-memory error or a request's own problem is not."""
+    if isinstance(error, DeviceFault):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(marker in text for marker in _STICKY_DEVICE_ERRORS)

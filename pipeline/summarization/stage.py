@@ -4,7 +4,6 @@ the replicas (the datasink that writes the stage's rows is sink.py)."""
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from pathlib import Path
 
@@ -12,49 +11,19 @@ import pyarrow as pa
 import ray
 from ray.util.metrics import Counter
 
-from pipeline.decoding.sampling import SamplingParams
-from pipeline.errors import ConfigError, KnapSpecError
+from pipeline.errors import KnapSpecError
 from pipeline.logs import configure_worker_logging
+from pipeline.summarization.dispatch import ReplicaDispatcher
 from pipeline.summarization.output import ERROR_INFRASTRUCTURE, ERROR_INPUT, error_row, rows_to_table
 from pipeline.summarization.rows import validate_row
-from pipeline.summarization.summarizer import DocumentSummarizer, SummarizeSettings
+from pipeline.summarization.summarizer import (
+    DEFAULT_REQUEST_TIMEOUT,
+    DocumentSummarizer,
+    RequestTimeout,
+    SummarizeSettings,
+)
 
 logger = logging.getLogger(__name__)
-
-
-class ReplicaDispatcher:
-    """Sends requests to the replica with the fewest requests in flight from this process."""
-
-    def __init__(self, replicas: list, progress=None) -> None:
-        """`replicas`: actor handles, or the names of named replica actors (ReplicaPool.names).
-        `progress`: the run's progress actor (actors/progress.py), told of requests in flight."""
-        if not replicas:
-            raise ConfigError("no replicas to send requests to")
-        self.handles = [ray.get_actor(r) if isinstance(r, str) else r for r in replicas]
-        self.in_flight = [0] * len(self.handles)
-        self.progress = progress
-        self._lock = threading.Lock()
-
-    def generate_many(self, calls: list[tuple[list[int], int, SamplingParams]]) -> list[dict]:
-        picks = []
-        with self._lock:
-            for _ in calls:
-                index = min(range(len(self.handles)), key=self.in_flight.__getitem__)
-                self.in_flight[index] += 1
-                picks.append(index)
-        refs = [self.handles[i].generate.remote(*call) for i, call in zip(picks, calls)]
-        self._report(len(calls))
-        try:
-            return ray.get(refs)
-        finally:
-            with self._lock:
-                for index in picks:
-                    self.in_flight[index] -= 1
-            self._report(-len(calls))
-
-    def _report(self, delta: int) -> None:
-        if self.progress is not None:
-            self.progress.requests.remote(delta)  # not awaited: progress never slows the work
 
 
 class SummarizeBatch:
@@ -75,10 +44,12 @@ class SummarizeBatch:
         duplicate_ids: dict[str, int] | set[str] | None = None,
         columns: tuple[str, str, str | None] = ("id", "text", "reference"),
         progress: str | None = None,
+        request_timeout: RequestTimeout = DEFAULT_REQUEST_TIMEOUT,
     ) -> None:
         """`columns`: the input's id, text and (optional) reference summary columns; a row's
         `input_error` column, where the job's reader set one, makes it an error row.
-        `progress`: the name of the run's progress actor (actors/progress.py), or None."""
+        `progress`: the name of the run's progress actor (actors/progress.py), or None.
+        `request_timeout`: how long a request may take before its replica is judged hung."""
         from pipeline.model import checkpoint
 
         configure_worker_logging()
@@ -89,7 +60,7 @@ class SummarizeBatch:
         self.documents = Counter(
             "knapspec_documents", "documents summarized, by status", tag_keys=("model", "strategy", "status")
         )
-        self.dispatcher = ReplicaDispatcher(replicas, self.progress)
+        self.dispatcher = ReplicaDispatcher(replicas, self.progress, request_timeout)
         tokenizer = checkpoint.load_tokenizer(Path(tokenizer_path))
         self.summarizer = DocumentSummarizer(tokenizer, self.dispatcher.generate_many, settings)
         self.duplicate_ids = duplicate_ids or {}
@@ -125,7 +96,10 @@ class SummarizeBatch:
             # The driver shows a line per document (actors/progress.py); this one is for the worker's log.
             logger.debug(
                 "Summarized %s: %d chunks, %d prompt + %d output tokens in %.1f s",
-                row_id, out["num_chunks"], out["prompt_tokens"], out["output_tokens"],
+                row_id,
+                out["num_chunks"],
+                out["prompt_tokens"],
+                out["output_tokens"],
                 time.perf_counter() - started,
             )
             return out

@@ -52,6 +52,38 @@ DEFAULT_MAX_DOCUMENT_BYTES = 10_000_000
 
 
 @dataclass(frozen=True)
+class RequestTimeout:
+    """How long one request may take, queueing at its replica included: `base_s` plus
+    `per_token_s` for each prompt and answer token (pipeline/summarization/dispatch.py). A
+    replica is judged hung after that long. The per-token default is ~100 times what the
+    embedded model takes on 2 CPU cores (473 prompt tokens/s, docs/job.md): a model ten times
+    its size on such a CPU, queued behind a full batch, still fits."""
+
+    base_s: float = 600.0
+    per_token_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.base_s <= 0 or self.per_token_s < 0:
+            raise ConfigError(f"a request timeout needs base_s > 0 and per_token_s >= 0, got {self}")
+
+    def seconds(self, prompt_tokens: int, max_new_tokens: int) -> float:
+        return self.base_s + self.per_token_s * (prompt_tokens + max_new_tokens)
+
+    def no_progress_s(self, settings: SummarizeSettings, attempts: int) -> float:
+        """How long the summarize stage may go without a finished document while healthy: the
+        longest request of `settings` through `attempts` tries, each to its timeout. Ray Data's
+        guard against a hung run (`execution_no_progress_timeout_s`, 30 minutes by default)
+        must not be shorter: on a slow device a healthy run of long documents would trip it."""
+        longest = self.seconds(
+            settings.max_prompt_tokens, max(settings.max_new_tokens, settings.max_summary_tokens or 0)
+        )
+        return attempts * longest
+
+
+DEFAULT_REQUEST_TIMEOUT = RequestTimeout()
+
+
+@dataclass(frozen=True)
 class SummarizeSettings:
     model: str  # the name written to the `model` column
     strategy: str

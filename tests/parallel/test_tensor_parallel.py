@@ -213,9 +213,10 @@ def test_groups_all_reduce_over_nccl_on_gpus_and_gloo_on_cpus():
 
 
 @pytest.mark.ray
-def test_a_lost_rank_fails_the_request_with_a_clear_error(tmp_path):
-    """A tensor-parallel rank is not restarted (it could not rejoin its group): killing one
-    mid-request ends that request with an error that says so, instead of hanging."""
+def test_a_lost_rank_restarts_its_replica_whole(tmp_path):
+    """A tensor-parallel rank is not restarted in place (it could not rejoin its group): killing
+    one mid-request ends the coordinator's process instead of hanging, Ray restarts it, and it
+    forms its group anew and serves again (its callers send the lost request again: dispatch.py)."""
     import time
 
     import ray
@@ -230,15 +231,29 @@ def test_a_lost_rank_fails_the_request_with_a_clear_error(tmp_path):
         model = make_tiny_chat_checkpoint(tmp_path / "model", num_hidden_layers=2)
         config = EngineConfig(model=str(model), dtype="fp32")
         coordinator = (
-            ray.remote(PipelineReplica).options(num_cpus=0).remote(config, StrategyConfig("ar"), 1, 0.5, 1, None, 2)
+            ray.remote(PipelineReplica)
+            .options(num_cpus=0, max_restarts=1, max_task_retries=0)
+            .remote(config, StrategyConfig("ar"), 1, 0.5, 1, None, 2)
         )
         ids = torch.randint(300, 40000, (200,), generator=torch.Generator().manual_seed(4)).tolist()
+        first_pid = ray.get(coordinator.ping.remote())
         rank = ray.get(coordinator.stage_handles.remote())[1]  # loaded, the group formed
+        expected = ray.get(coordinator.generate.remote(ids, 8, SamplingParams()))["token_ids"]
         running = coordinator.generate.remote(ids, 2000, SamplingParams())  # about 30 s here
         time.sleep(1.0)
         ray.kill(rank)
-        with pytest.raises(ray.exceptions.RayTaskError, match="cannot recover"):
+        with pytest.raises(ray.exceptions.RayActorError):
             ray.get(running, timeout=120)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                pid = ray.get(coordinator.ping.remote(), timeout=60)
+                break
+            except ray.exceptions.ActorUnavailableError:  # restarting
+                assert time.monotonic() < deadline, "the coordinator did not come back"
+                time.sleep(0.2)
+        assert pid != first_pid
+        assert ray.get(coordinator.generate.remote(ids, 8, SamplingParams()), timeout=120)["token_ids"] == expected
         ray.get(coordinator.shutdown.remote())
     finally:
         ray.shutdown()
