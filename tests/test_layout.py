@@ -17,6 +17,7 @@ CORE_ROOMS = ("pipeline.model", "pipeline.decoding", "pipeline.knapspec")
 # The summarization room's Ray Data modules: its datasource, its map_batches stage and its sink.
 RAY_IN_PIPELINE = {
     "pipeline/summarization/datasource.py",
+    "pipeline/summarization/dispatch.py",
     "pipeline/summarization/sink.py",
     "pipeline/summarization/stage.py",
 }
