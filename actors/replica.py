@@ -18,9 +18,9 @@ from dataclasses import dataclass, replace
 import ray
 from ray.util.placement_group import remove_placement_group
 
-from actors import faults
 from actors.metrics import ReplicaMetrics
 from actors.profiler import start_profilers
+from actors.restart import exit_for_restart
 from actors.shard import reserve, stage_bundles
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.stats import BusyClock
@@ -32,12 +32,9 @@ from profiling.microbench import SUSPECT_RESIDUAL
 
 logger = logging.getLogger(__name__)
 
-# A replica that dies is restarted (it reloads its model), and its callers send the requests
-# it was running again (pipeline/summarization/dispatch.py): greedy decoding is deterministic
-# and a seeded request replays, so a retried request returns what the first attempt would have.
-# Ray does not retry them itself: it would send a request that kills its replica back to it
-# until every restart is spent, taking every request in flight beside it down each time. A
-# request that kills its replica costs up to three restarts before it is blamed alone.
+# A replica that dies is restarted (it reloads its model); its callers send its requests again
+# (pipeline/summarization/dispatch.py), which replay: greedy and seeded decoding are deterministic.
+# Not Ray: it would send a request that kills its replica back until every restart is spent.
 MAX_RESTARTS = 10
 MAX_TASK_RETRIES = 0
 # A pool's replicas by name: unique per pool, so that pools of several jobs never meet.
@@ -102,8 +99,7 @@ class EngineReplica:
             "calibration_residual": self._calibration_residual(),
         }
 
-    def ping(self) -> int:
-        """Answers while the process can: how callers tell a hung or restarting replica."""
+    def ping(self) -> int:  # answered while the process can: how callers tell a hung or restarting replica
         return os.getpid()
 
     def usage(self) -> dict:
@@ -134,7 +130,6 @@ class EngineReplica:
         self.busy.start()
         stats = None
         try:
-            faults.on_request(prompt_ids)
             if self.lanes:
                 lane = min(self.lanes, key=lambda lane: lane.batcher.num_requests)
                 result = lane.generate(self.engine.request(prompt, self.strategy, max_new_tokens, params))
@@ -151,15 +146,6 @@ class EngineReplica:
             if self.metrics is not None:
                 self.metrics.finish(self.replica_name, stats)
         return {"token_ids": result.token_ids, "finish_reason": result.finish_reason, "stats": stats, "extra": result.extra}
-
-
-def exit_for_restart(error: BaseException) -> None:
-    """End this replica's process so that Ray restarts it: after a fault that leaves the device
-    or the model's state broken, every later request would fail too. Its callers send the
-    requests it held elsewhere (pipeline/summarization/dispatch.py)."""
-    logger.critical("Replica process %d exits to be restarted: %s: %s", os.getpid(), type(error).__name__, error)
-    logging.shutdown()
-    os._exit(70)
 
 
 # CPUs left to Ray Data when replicas are placed (with every CPU held by a replica, a data
@@ -282,9 +268,7 @@ class PipelineReplica(EngineReplica):
             try:
                 return super().generate(prompt_ids, max_new_tokens, params)
             except ray.exceptions.RayError as e:
-                if self.tensor_parallel > 1:
-                    # A lost rank is not restarted in place (its group could not form again): the
-                    # coordinator exits, Ray restarts it, and it starts its stages and ranks anew.
+                if self.tensor_parallel > 1:  # its group could not form again: start it all anew
                     exit_for_restart(DeviceFault(f"a tensor-parallel rank of this replica failed: {e}"))
                 if attempt == self.RETRIES:
                     raise

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline.decoding.sampling import SamplingParams
-from tests.builders import make_tiny_chat_checkpoint
+from tests.builders import REPO, make_tiny_chat_checkpoint
 
 pytestmark = pytest.mark.ray
 
@@ -79,14 +79,11 @@ def test_a_killed_replica_with_many_requests_in_flight_gives_the_same_outputs(tm
 
 @pytest.mark.usefixtures("ray_cluster")
 def test_a_replica_with_a_sticky_device_fault_exits_and_is_restarted(tmp_path):
-    """After a fault that leaves its device unusable (here injected: actors/faults.py), a replica
+    """After a fault that leaves its device unusable (here injected: tests/faults), a replica
     that stayed up would fail every later request. It exits instead, Ray restarts it, and the
     dispatcher sends its requests again: every answer is the undisturbed one."""
-    import json
-
     import ray
 
-    from actors.faults import ENV
     from actors.replica import MAX_RESTARTS, MAX_TASK_RETRIES, EngineReplica
     from pipeline.engine import EngineConfig, StrategyConfig
     from pipeline.summarization.dispatch import ReplicaDispatcher
@@ -104,7 +101,7 @@ def test_a_replica_with_a_sticky_device_fault_exits_and_is_restarted(tmp_path):
             max_restarts=MAX_RESTARTS,
             max_task_retries=MAX_TASK_RETRIES,
             max_concurrency=9,
-            runtime_env={"env_vars": {ENV: json.dumps({"device_fault_once": str(flag)})}},
+            runtime_env={"env_vars": fault_env({"device_fault_once": str(flag)})},
         )
         .remote(config, StrategyConfig("ar"), 1, 4)
     )
@@ -114,3 +111,12 @@ def test_a_replica_with_a_sticky_device_fault_exits_and_is_restarted(tmp_path):
     assert [a["token_ids"] for a in answers] == expected
     assert ray.get(replica.ping.remote()) != first_pid  # it exited and came back
     ray.kill(replica)
+
+
+def fault_env(faults: dict) -> dict[str, str]:
+    """The environment that makes a replica's process inject `faults` (tests/faults/sitecustomize.py)."""
+    import json
+    import os
+
+    path = os.pathsep.join(p for p in (str(REPO / "tests" / "faults"), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, "KNAPSPEC_FAULTS": json.dumps(faults)}
