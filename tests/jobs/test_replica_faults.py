@@ -64,7 +64,7 @@ def test_a_request_that_kills_its_replica_every_time_is_one_error_row(tiny_chat_
     out = tmp_path / "out"
     job = start_job(["--input", tmp_path / "docs.jsonl", "--output", out, "--model", tiny_chat_checkpoint, *ARGS,
                      "--max-error-fraction", "1"], fault_env({"kill_on_token": token}))  # fmt: skip
-    code, stdout, stderr = finish(job)
+    code, _, stderr = finish(job)
     assert code == 0, stderr[-3000:]
     by_id = rows_by_id(out)
     assert set(by_id) == {r["id"] for r in rows}  # one row per input row, none twice
@@ -103,7 +103,7 @@ def test_a_replica_killed_again_and_again_loses_no_row(tiny_chat_checkpoint, tmp
             break
     killer = threading.Thread(target=kill_one_replica_three_times)
     killer.start()
-    code, stdout, stderr = finish(job)
+    code, _, stderr = finish(job)
     killer.join()
     assert len(kills) >= 2, f"the run ended after {len(kills)} kill(s)"
     assert code == 0, stderr[-3000:]
@@ -124,7 +124,7 @@ def test_a_replica_stopped_past_the_timeout_has_its_requests_finished_elsewhere(
                 stopped = replica_pids()[0]
                 os.kill(stopped, signal.SIGSTOP)
                 break
-        code, stdout, stderr = finish(job)
+        code, _, stderr = finish(job)
     finally:
         if stopped is not None:
             try:
