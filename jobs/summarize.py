@@ -315,7 +315,9 @@ def run(args: argparse.Namespace) -> int:
 
     from actors.summarizer import DATA_TASK_CPUS, SummarizerConfig, build_summarizer
     from pipeline.model import checkpoint
+    from pipeline.summarization.compaction import BackgroundCompaction
     from pipeline.summarization.datasource import read_documents
+    from pipeline.summarization.output_nodes import check_output_visible
     from pipeline.summarization.rows import find_duplicate_ids, id_census
     from pipeline.summarization.sink import SummarySink
     from pipeline.summarization.summarizer import RequestTimeout
@@ -329,6 +331,7 @@ def run(args: argparse.Namespace) -> int:
         # The embedded model is converted once here, not by every replica at once.
         checkpoint.resolve_checkpoint(args.model, args.cache_dir)
         local = _init_ray(args.address)
+        check_output_visible(args.output / OUTPUT_NAME)
         documents = read_documents(spec)
         if args.ids is None:
             # The census is a pass over the input (Ray Data tasks on the cores the replicas leave
@@ -380,7 +383,10 @@ def run(args: argparse.Namespace) -> int:
                 lambda row: row["id"] is None or row["id"] not in done, num_cpus=DATA_TASK_CPUS
             )
         sink = SummarySink(args.output / OUTPUT_NAME)
-        with summarize.progress(_expected_rows(id_counts, num_rows, args, resume.done_ids)):
+        with (
+            summarize.progress(_expected_rows(id_counts, num_rows, args, resume.done_ids)),
+            BackgroundCompaction(sink.folder),
+        ):
             summarize(documents, duplicates).write_datasink(sink, ray_remote_args={"num_cpus": DATA_TASK_CPUS})
         # The replicas' own account: in a batch the requests' decode times overlap, so the table's
         # per-request tokens/s is no throughput; tokens over the replicas' busy time are.

@@ -18,6 +18,7 @@ CORE_ROOMS = ("pipeline.model", "pipeline.decoding", "pipeline.knapspec")
 RAY_IN_PIPELINE = {
     "pipeline/summarization/datasource.py",
     "pipeline/summarization/dispatch.py",
+    "pipeline/summarization/output_nodes.py",
     "pipeline/summarization/sink.py",
     "pipeline/summarization/stage.py",
 }

@@ -10,11 +10,12 @@ redo, so no id is ever written twice.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import uuid
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -65,6 +66,7 @@ ERROR_INFRASTRUCTURE = "infrastructure"  # a replica failed it: a rerun with --r
 PART_SUFFIX = ".parquet"
 _TMP_SUFFIX = ".tmp"
 UNREADABLE_SUFFIX = ".unreadable"  # a part that --resume could not read, set aside
+_REPLACES_KEY = b"knapspec.replaces"  # a merged part's schema metadata: the parts it holds the rows of
 
 
 def error_row(row_id: str | None, message: str, model: str, strategy: str, kind: str = ERROR_INPUT) -> dict[str, Any]:
@@ -89,21 +91,26 @@ def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA)
 
 
-def write_part(folder: Path, table: pa.Table) -> Path:
-    """Write one part file atomically: readers never see a partial file under a final name."""
+def write_part(folder: Path, table: pa.Table, replaces: Sequence[str] = ()) -> Path:
+    """Write one part file atomically: readers never see a partial file under a final name.
+    `replaces`: names of parts whose rows this one holds (a merge, compaction.py); until they
+    are deleted, readers skip them."""
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"part-{uuid.uuid4().hex}{PART_SUFFIX}"
     tmp = final.with_name(final.name + _TMP_SUFFIX)
-    pq.write_table(table.cast(OUTPUT_SCHEMA), tmp)
+    table = table.cast(OUTPUT_SCHEMA)
+    if replaces:
+        table = table.replace_schema_metadata({_REPLACES_KEY: json.dumps(list(replaces)).encode()})
+    pq.write_table(table, tmp)
     # On disk before the rename, and the rename on disk before the rows count as written: a
     # crash leaves the part whole or absent, never a 0-byte file under its final name.
-    _fsync(tmp)
+    sync_path(tmp)
     os.replace(tmp, final)
-    _fsync(folder)
+    sync_path(folder)
     return final
 
 
-def _fsync(path: Path) -> None:
+def sync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -112,7 +119,23 @@ def _fsync(path: Path) -> None:
 
 
 def part_files(folder: Path) -> list[Path]:
-    return sorted(folder.glob(f"*{PART_SUFFIX}")) if folder.is_dir() else []
+    """The folder's parts, less those a merged part replaces (a merge a crash cut short)."""
+    files = sorted(folder.glob(f"*{PART_SUFFIX}")) if folder.is_dir() else []
+    replaced = replaced_parts(files)
+    return [f for f in files if f.name not in replaced]
+
+
+def replaced_parts(files: Iterable[Path]) -> set[str]:
+    """Names of the parts that a merged part among `files` holds the rows of."""
+    names: set[str] = set()
+    for f in files:
+        try:
+            metadata = pq.read_schema(f).metadata or {}
+        except (OSError, pa.ArrowException):
+            continue  # an unreadable part: --resume sets it aside
+        if _REPLACES_KEY in metadata:
+            names.update(json.loads(metadata[_REPLACES_KEY]))
+    return names
 
 
 def read_output(folder: Path | str, columns: Iterable[str] | None = None) -> pa.Table:
@@ -147,6 +170,8 @@ def prepare_output(folder: Path, resume: bool, overwrite: bool) -> ResumeState:
         raise ConfigError(f"output {folder} exists and is not a folder")
     for tmp in folder.glob(f"*{_TMP_SUFFIX}") if folder.is_dir() else ():
         tmp.unlink()
+    for name in replaced_parts(folder.glob(f"*{PART_SUFFIX}")) if folder.is_dir() else ():
+        (folder / name).unlink(missing_ok=True)  # a merge a crash cut short, finished
     files = part_files(folder)
     if not files:
         return ResumeState(frozenset(), 0, 0)

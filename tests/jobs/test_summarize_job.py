@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.decoding.stopping import FINISH_REASONS
-from pipeline.summarization.output import OUTPUT_SCHEMA, read_output
+from pipeline.summarization.output import OUTPUT_SCHEMA, part_files, read_output
 from pipeline.summarization.quality import ends_on_sentence, repetitions
 from tests.builders import REPO, sample_documents
 
@@ -86,6 +86,7 @@ def test_one_output_row_per_input_row(bad_rows_parquet, two_replicas_run):
 
     table = read_output(folder / OUTPUT_NAME)
     assert table.schema == OUTPUT_SCHEMA and table.num_rows == len(rows)
+    assert len(part_files(folder / OUTPUT_NAME)) == 1  # the documents' parts merged at the end
     out = sorted(table.to_pylist(), key=lambda r: (str(r["id"]), r["error"] or ""))
     by_id = {}
     for row in out:
