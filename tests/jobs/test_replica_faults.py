@@ -86,7 +86,7 @@ def test_a_replica_killed_again_and_again_loses_no_row(tiny_chat_checkpoint, tmp
         seen, victim = set(first), first[0]
         while len(kills) < 3 and job.poll() is None:
             if victim is not None:
-                time.sleep(0.5)  # let it take requests
+                time.sleep(0.2)  # let it take requests
                 if job.poll() is not None:
                     return
                 os.kill(victim, signal.SIGKILL)

@@ -57,6 +57,19 @@ def stand_ins(count: int, max_restarts: int = 10) -> list:
     return handles
 
 
+def pid_when_up(handle) -> int:
+    """The replica's process id once it answers (a restarting one raises ActorUnavailableError)."""
+    import ray
+
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return ray.get(handle.ping.remote(), timeout=30)
+        except ray.exceptions.ActorUnavailableError:
+            assert time.monotonic() < deadline, "the replica did not come back"
+            time.sleep(0.1)
+
+
 def documents(dispatcher: ReplicaDispatcher, prompts: list[list[list[int]]]) -> list:
     """Each document's calls from a thread of its own, as the stage's actor runs them."""
     out: list = [None] * len(prompts)
@@ -89,7 +102,7 @@ def test_a_request_that_kills_every_replica_it_runs_on_fails_alone():
         assert [r["token_ids"] for r in out[d]] == [[10 * d + c] for c in range(3)], out[d]
     # Three deaths at most (one in a batch, two alone), and both replicas serve again.
     assert sum(r.dead for r in dispatcher.replicas) == 0
-    assert all(ray.get([h.ping.remote() for h in handles]))
+    assert all(pid_when_up(h) for h in handles)
     for h in handles:
         ray.kill(h)
 
@@ -125,15 +138,6 @@ def test_replicas_killed_while_requests_run_lose_no_request():
     dispatcher = ReplicaDispatcher(handles)
     prompts = [[[d, c, SLOW] for c in range(4)] for d in range(4)]
     killer_done = threading.Event()
-
-    def pid_when_up(handle) -> int:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                return ray.get(handle.ping.remote(), timeout=30)
-            except ray.exceptions.ActorUnavailableError:  # restarting
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
 
     def kill_replica_zero_twice() -> None:
         for _ in range(2):
