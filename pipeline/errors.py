@@ -28,8 +28,8 @@ class NonFiniteLogits(RowError):
 
 class DeviceFault(RuntimeError):
     """The process's device or model state is broken past this request (a sticky CUDA error,
-    a KV pool left half-grown, a lost tensor-parallel rank): every later request would fail
-    too, so the replica exits and is restarted. Not a KnapSpecError: no row is at fault."""
+    a lost tensor-parallel rank): every later request would fail too, so the replica exits
+    and is restarted. Not a KnapSpecError: no row is at fault."""
 
 
 # What a CUDA error that poisons its context says: every later kernel of the process fails too.

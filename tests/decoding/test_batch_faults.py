@@ -11,7 +11,7 @@ from pipeline.decoding.drafters import NoDraft
 from pipeline.decoding.loop import DecodeConfig
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest
-from pipeline.errors import NonFiniteLogits
+from pipeline.errors import DeviceFault, NonFiniteLogits, is_device_fault
 from tests.builders import assert_same_or_near_tie, load_tiny, repeating_prompt
 from tests.decoding.test_scheduler import EOS, alone
 
@@ -175,3 +175,13 @@ def test_nan_logits_in_one_request_of_eight_end_it_alone(real_engine, greedy):
             assert broken[i].error is None, broken[i].error
             if greedy:
                 assert broken[i].result.token_ids == clean[i].result.token_ids, i
+
+
+def test_a_device_fault_is_told_from_a_requests_own_error():
+    """What makes a replica exit to be restarted (actors/restart.py), and what fails only its request."""
+    assert is_device_fault(DeviceFault("a tensor-parallel rank failed"))
+    assert is_device_fault(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert is_device_fault(RuntimeError("CUDA error: device-side assert triggered"))
+    assert not is_device_fault(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not is_device_fault(NonFiniteLogits("the model's logits are NaN"))
+    assert not is_device_fault(ValueError("an illegal memory access, said a user's message"))
