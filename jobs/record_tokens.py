@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import sys
 from pathlib import Path
 
@@ -82,15 +81,12 @@ def record(args: argparse.Namespace) -> dict:
 
 
 def _meta(engine) -> dict:
-    flags = ""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        lines = cpuinfo.read_text().splitlines()
-        flags = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("flags")), "")
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    """What decides the bits of a record: the CPU and the kernels PyTorch picks on it, the mode."""
+    from profiling.record import cpu_model_name
+
     return {
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_flags": [f for f in wanted if f in flags.split()],
+        "cpu": cpu_model_name(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
         "mode": engine.mode.value,
         "model": engine.name,

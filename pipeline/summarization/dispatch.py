@@ -102,10 +102,6 @@ class ReplicaDispatcher:
         self.timeout = timeout
         self._lock = threading.Lock()
 
-    @property
-    def in_flight(self) -> list[int]:
-        return [r.in_flight for r in self.replicas]
-
     def generate_many(self, calls: list[Call]) -> list[dict]:
         """Every call's result, in order; raises the first request's error that no retry mends
         (the replica's own exception for what the request asked, or this module's)."""
