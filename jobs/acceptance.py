@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 from pipeline.cli import load_documents, run_reporting_errors
+from pipeline.decoding.decode import decode
 from pipeline.decoding.drafters import LayerSkipDrafter
-from pipeline.decoding.loop import DecodeConfig, decode, prefill
+from pipeline.decoding.loop import DecodeConfig, prefill
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engine import Engine, EngineConfig
 from pipeline.knapspec.skip_fractions import KINDS, alpha_from_tokens, best_skip_sets, fractions

@@ -30,17 +30,11 @@ from pathlib import Path
 import torch
 
 from pipeline.cli import add_calibration_dir_argument, add_repetition_arguments, load_documents, sampling_params
+from pipeline.decoding.decode import decode, decode_requests
 from pipeline.decoding.drafters import LayerSkipDrafter
-from pipeline.decoding.loop import (
-    DecodeConfig,
-    DecodingRequest,
-    GenerationResult,
-    Prefilled,
-    decode,
-    decode_batch,
-    prefill,
-)
+from pipeline.decoding.loop import DecodeConfig, DecodingRequest, GenerationResult, Prefilled, prefill
 from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.scheduler import StepRecord
 from pipeline.decoding.stats import GenerationStats
 from pipeline.engine import SEARCHING_STRATEGIES, STRATEGIES, Engine, EngineConfig, StrategyConfig
 from pipeline.errors import ConfigError
@@ -67,6 +61,8 @@ VERIFY_SIZES = (1, 2, 4, 8, 11)
 BATCH_VERIFY_ROWS = (1, 2, 3, 5)
 TARGET_BATCH_SPEEDUP = 1.3  # what the batch verify table asks of a draft
 MATMUL = short_attention.MATMUL_ROUTE  # DTYPE+matmul: attention by PyTorch's matmuls, not the fused kernel
+# Steps a batch's online step cost has seen before its predictions are reported.
+CALIBRATION_STEPS = 16
 
 
 @dataclass
@@ -208,7 +204,7 @@ class BatchRun:
     prefill_s: float
     searches: list[dict] = field(default_factory=list)  # the batch planner's, in this run
     postponed: int = 0  # its checks that found no time for a search
-    steps: list[tuple[int, int, float]] = field(default_factory=list)  # decode_batch's (running, emitted, seconds)
+    steps: list[StepRecord] = field(default_factory=list)  # the batcher's, step by step
 
     @property
     def tokens_per_s(self) -> float:
@@ -223,7 +219,7 @@ class BatchRun:
         its end, and requests that speculate leave it unevenly, so its last steps run fewer
         requests; None where no step was timed (transformers' generate())."""
         size = len(self.results)
-        full = [(emitted, seconds) for running, emitted, seconds in self.steps if running == size]
+        full = [(step.emitted, step.seconds) for step in self.steps if step.running == size]
         seconds = sum(s for _, s in full)
         return sum(e for e, _ in full) / seconds if seconds > 0 else None
 
@@ -237,7 +233,7 @@ def run_batch(
     params: SamplingParams = SamplingParams(),
 ):
     """One batch of `strategy` from copies of the prefilled prompts: our decoders through
-    decode_batch (one forward per step for all), transformers' generate() on a left-padded batch."""
+    the replicas' batcher step (one forward per step for all), transformers' generate() on a left-padded batch."""
     if strategy.startswith("hf"):
         if len(prompts) == 1:
             results = [engine.generate(prompts[0], StrategyConfig(strategy), max_new_tokens, params)]
@@ -263,14 +259,28 @@ def run_batch(
     searched, postponed = engine.num_batch_searches(strategy), engine.num_batch_postponed(strategy)
     started, steps = time.perf_counter(), []
     # The engine's step-cost fit, shared by its batches as a replica's are (a request alone plans from it).
-    results = decode_batch(engine.model, requests, engine.step_cost.budget(), steps)
+    budget = engine.step_cost.budget()
+    fit = engine.step_cost.cost
+    seen_before, changes_before = (0, 0) if fit is None else (fit.num_observed, fit.num_changes)
+    # The replicas' step: each request leaves the batch (and frees its slot) when it ends.
+    results = decode_requests(engine.model, requests, budget, steps)
     decode_s = time.perf_counter() - started
-    for request in requests:  # a live slot and its pool refer to each other: released, the pool goes at once
-        pool.release(request.cache)
+    _report_step_errors(results, budget, seen_before, changes_before)
     new = engine.num_batch_searches(strategy) - searched
     searches = engine.batch_searches(strategy)[-new:] if new else []
     postponed = engine.num_batch_postponed(strategy) - postponed
     return BatchRun(results, decode_s, sum(f.seconds for f in prefilled), searches, postponed, steps)
+
+
+def _report_step_errors(results: list[GenerationResult], budget, seen_before: int, changes_before: int) -> None:
+    """The batch's step-time predictions, table's and online fit's, after its first
+    CALIBRATION_STEPS, into each of its results' `extra`."""
+    cost = budget.cost
+    errors = cost.prediction_errors(after=max(seen_before, CALIBRATION_STEPS)) if cost is not None else None
+    if errors is not None:
+        for result in results:
+            result.extra["step_error_table"], result.extra["step_error_online"] = errors
+            result.extra["step_fit_restarts"] = cost.num_changes - changes_before
 
 
 def _alone(

@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 from pipeline.cli import Parser, run_reporting_errors
-from pipeline.decoding.loop import DecodeConfig, decode, prefill
+from pipeline.decoding.decode import decode
+from pipeline.decoding.loop import DecodeConfig, prefill
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest

@@ -113,7 +113,8 @@ class PrefilledCalls:
     def __call__(self, calls: list) -> list[dict]:
         import torch
 
-        from pipeline.decoding.loop import DecodingRequest, decode_batch
+        from pipeline.decoding.decode import decode_requests
+        from pipeline.decoding.loop import DecodingRequest
 
         seconds = self.seconds.setdefault(self.setting, {"prefill": 0.0, "decode": 0.0})
         todo = []
@@ -130,7 +131,7 @@ class PrefilledCalls:
         started = time.perf_counter()
         for at in range(0, len(todo), self.max_batch):
             batch = todo[at : at + self.max_batch]
-            for (key, _), r in zip(batch, decode_batch(self.engine.model, [request for _, request in batch])):
+            for (key, _), r in zip(batch, decode_requests(self.engine.model, [request for _, request in batch])):
                 self.results[key] = {
                     "token_ids": r.token_ids,
                     "finish_reason": r.finish_reason,

@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 
 from pipeline.decoding.batch_drafts import DeviceStepCost
+from pipeline.decoding.decode import decode
 from pipeline.decoding.drafters import DEFAULT_MAX_DRAFT, Drafter, LayerSkipDrafter, NoDraft, default_static_skip
 from pipeline.decoding.hf_reference import HFRun, prepare_hf_model, run_hf_generate, run_hf_generate_batch
-from pipeline.decoding.loop import DecodeConfig, GenerationResult, Prefilled, decode, prefill
+from pipeline.decoding.loop import DecodeConfig, GenerationResult, Prefilled, prefill
 from pipeline.decoding.prompt_lookup import DEFAULT_LOOKUP_MAX_DRAFT, DEFAULT_MAX_NGRAM, PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest

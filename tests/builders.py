@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
+from pipeline.decoding.decode import decode
 from pipeline.decoding.drafters import LayerSkipDrafter, NoDraft
-from pipeline.decoding.loop import DecodeConfig, decode, prefill
+from pipeline.decoding.loop import DecodeConfig, prefill
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.knapspec.drafter import KnapSpecDrafter, search_candidates

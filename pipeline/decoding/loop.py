@@ -1,7 +1,10 @@
-"""The draft/verify loop: prefill once, then propose, verify in one forward, accept.
+"""A request's decoding: prefill once, then propose, verify in one forward, accept.
 
-Plain autoregressive decoding is the same loop with a drafter that proposes
-nothing, so every strategy shares one verification and acceptance path.
+`DecodingRequest` holds one request's state; the continuous batcher's step (scheduler.py)
+drives every request, alone or in a batch, through `plan_together`, `propose_together`, one
+verify forward and `DecodingRequest.accept`. Plain autoregressive decoding is the same step
+with a drafter that proposes nothing, so every strategy shares one verification and
+acceptance path.
 """
 
 from __future__ import annotations
@@ -28,9 +31,6 @@ from pipeline.errors import ConfigError
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.packing import RequestRows
 from pipeline.model.sublayer_model import SublayerModel
-
-# Steps a batch's online step cost has seen before its predictions are reported (decode_batch).
-CALIBRATION_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -77,79 +77,6 @@ def prefill(model: SublayerModel, prompt_ids: torch.Tensor, max_new_tokens: int)
     cache = model.new_cache(prompt_ids.numel() + max_new_tokens)
     logits = model.prefill(cache, prompt_ids.to(model.device))
     return Prefilled(cache, logits, prompt_ids.numel(), time.perf_counter() - t0)
-
-
-def decode(
-    model: SublayerModel,
-    prefilled: Prefilled,
-    config: DecodeConfig,
-    params: SamplingParams,
-    drafter: Drafter | None = None,
-    prompt_ids: list[int] | None = None,
-    budget: DraftBudget | None = None,
-) -> GenerationResult:
-    """Generate after a prefilled prompt. Consumes `prefilled.cache`.
-
-    `prompt_ids` is what drafters that copy from the context (prompt lookup) read; `budget`
-    times the steps (an engine's: the fit of its device's step cost, which a searching drafter
-    plans from once it has seen a few steps).
-    """
-    request = DecodingRequest(prefilled, config, params, drafter, prompt_ids)
-    while request.running:
-        if budget is not None:
-            plan_together(model, [request], budget)
-        draft = request.propose(model)
-        started = time.perf_counter()
-        logits = model.forward(request.cache, request.verify_ids(draft, model.device), request.cache.length).logits
-        if budget is not None:
-            budget.observe([request], [draft], time.perf_counter() - started)
-        request.accept(draft, logits)
-    return request.result()
-
-
-def decode_batch(
-    model: SublayerModel,
-    requests: Sequence[DecodingRequest],
-    budget: DraftBudget | None = None,
-    steps: list[tuple[int, int, float]] | None = None,
-) -> list[GenerationResult]:
-    """Decode several prefilled requests together. Each step every running request proposes
-    its own draft (of its own length, or none; drafting forwards shared, propose_together),
-    one forward verifies all of them — the linears once over all rows, attention per request
-    or, for slots of one KV pool, once for all — and each accepts by its own rule,
-    so a request's tokens are those it would decode alone (up to the batch's rounding: a
-    different token only where its top-2 logits nearly tie). A request leaves at EOS or its
-    limit; the others go on. `budget`: the draft budget and step-cost fit (an engine's, which
-    its batches share; default: the batch's own, from the drafters' table). `steps`, if given,
-    gets each step's (requests running, tokens they emitted, seconds of the whole step)."""
-    budget = budget if budget is not None else DraftBudget()
-    seen_before, changes_before = (0, 0) if budget.cost is None else (budget.cost.num_observed, budget.cost.num_changes)
-    while running := [request for request in requests if request.running]:
-        if steps is not None:
-            step_started, emitted = time.perf_counter(), sum(len(r.output) for r in running)
-        plan_together(model, running, budget)
-        drafts = propose_together(model, running)
-        for draft in drafts:
-            if isinstance(draft, Exception):
-                raise draft
-        drafts = budget.fit(running, drafts)
-        blocks = [RequestRows(r.cache, r.verify_ids(d, model.device), r.cache.length) for r, d in zip(running, drafts)]
-        started = time.perf_counter()
-        outputs = model.forward_batch(blocks, logits="all")
-        budget.observe(running, drafts, time.perf_counter() - started)
-        for request, draft, logits in zip(running, drafts, outputs):
-            request.accept(draft, logits)
-        if steps is not None:
-            emitted = sum(len(r.output) for r in running) - emitted
-            steps.append((len(running), emitted, time.perf_counter() - step_started))
-    results = [request.result() for request in requests]
-    after = max(seen_before, CALIBRATION_STEPS)
-    errors = budget.cost.prediction_errors(after=after) if budget.cost is not None else None
-    if errors is not None:  # the batch's, reported with each of its requests
-        for result in results:
-            result.extra["step_error_table"], result.extra["step_error_online"] = errors
-            result.extra["step_fit_restarts"] = budget.cost.num_changes - changes_before
-    return results
 
 
 def plan_together(model: SublayerModel, requests: Sequence[DecodingRequest], budget: DraftBudget) -> None:

@@ -61,6 +61,16 @@ class GenerationRequest:
         return self.prompt_ids.numel() + self.config.max_new_tokens
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One decode step of a batch: the requests it verified, the tokens they emitted, and the
+    seconds of the whole step (drafting, verifying and accepting)."""
+
+    running: int
+    emitted: int
+    seconds: float
+
+
 @dataclass
 class Finished:
     """A request that left the batch: its result, or why it failed."""
@@ -95,10 +105,12 @@ class ContinuousBatcher:
         kv_budget_bytes: int | None = None,
         prefill_chunk: int | None = None,
         budget: DraftBudget | None = None,
+        step_log: list[StepRecord] | None = None,
     ) -> None:
         """`kv_budget_bytes`: what all caches together may take (None: `max_batch` caches at the
         model's whole context). `prefill_chunk`: prompt rows per step (None: the model's).
-        `budget`: the draft budget and step-cost fit (None: the batcher's own, from the table)."""
+        `budget`: the draft budget and step-cost fit (None: the batcher's own, from the table).
+        `step_log`, if given, gets a StepRecord of every step that verified and carried no prompt."""
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
         if not hasattr(model, "forward_batch"):
@@ -118,9 +130,11 @@ class ContinuousBatcher:
         self._reserved: dict[int, int] = {}  # ticket -> bytes of its cache
         self._tickets = iter(range(1 << 62))
         self.steps = 0
+        self._finished_early: list[Finished] = []  # adopted requests that had ended already
         # How much of each draft pays in the batch, learning its step cost.
         self.budget = budget if budget is not None else DraftBudget()
         self.pool: KVPool | None = None  # made at the first admission
+        self.step_log = step_log
 
     # --------------------------------------------------------------- intake
 
@@ -147,10 +161,24 @@ class ContinuousBatcher:
         self.waiting.append((ticket, request))
         return ticket
 
+    def adopt(self, request: DecodingRequest) -> int:
+        """Decode a request already prefilled (its cache its own, or a slot of a pool); returns
+        its ticket. It joins the running requests at once: adopting is for a caller that fills
+        the batch itself (`decode`), not past `max_batch`."""
+        if len(self.running) + len(self.prefilling) >= self.max_batch:
+            raise ConfigError(f"the batch already runs {self.max_batch} requests")
+        ticket = next(self._tickets)
+        if not request.running:  # its first token ended it
+            self._finished_early.append(self._finish(ticket, request))
+            return ticket
+        self._reserved[ticket] = request.cache.capacity * self.position_bytes
+        self.running[ticket] = request
+        return ticket
+
     @property
     def num_requests(self) -> int:
         """Requests not finished yet: waiting, being prefilled, or decoding."""
-        return len(self.waiting) + len(self.prefilling) + len(self.running)
+        return len(self.waiting) + len(self.prefilling) + len(self.running) + len(self._finished_early)
 
     @property
     def reserved_bytes(self) -> int:
@@ -165,7 +193,9 @@ class ContinuousBatcher:
         A failure costs only its own request: a drafter, a bookkeeping step or non-finite
         logits end the request they belong to, and a failed forward is run again in halves
         until the request that broke it is found (`_forward_isolating`)."""
-        finished = self._admit()
+        finished = self._admit() + self._finished_early
+        self._finished_early = []
+        step_started = time.perf_counter()
         running = list(self.running.items())
         drafts = self._drafts([request for _, request in running])
         pairs = []
@@ -198,6 +228,7 @@ class ContinuousBatcher:
         self.steps += 1
         if chunk is None and not isolated:  # a prefill chunk's rows cost by other rules than the step model's
             self.budget.observe([r for _, r, _ in pairs], [d for _, _, d in pairs], seconds)
+        emitted = sum(len(r.output) for _, r, _ in pairs)
         for (ticket, request, draft), logits in zip(pairs, outputs):
             if isinstance(logits, BaseException):
                 finished.append(self._fail(ticket, logits, what="its verify forward"))
@@ -210,6 +241,9 @@ class ContinuousBatcher:
                 finished.append(self._fail(ticket, e, what="its acceptance"))
         if chunk is not None:
             finished += self._chunk_done(chunk, outputs[-1], seconds)
+        elif self.step_log is not None and not isolated:
+            emitted = sum(len(r.output) for _, r, _ in pairs) - emitted
+            self.step_log.append(StepRecord(len(pairs), emitted, time.perf_counter() - step_started))
         return finished
 
     def _drafts(self, requests: list[DecodingRequest]) -> list:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.decoding.decode import decode, decode_requests
 from pipeline.decoding.drafters import LayerSkipDrafter, NoDraft
-from pipeline.decoding.loop import DecodeConfig, DecodingRequest, decode, decode_batch, prefill
+from pipeline.decoding.loop import DecodeConfig, DecodingRequest, prefill
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.model.linear import fp16w_available
@@ -39,7 +40,7 @@ def test_greedy_tokens_in_a_batch_equal_each_request_alone(tiny_checkpoint, mode
         DecodingRequest(prefill(model, p, m), DecodeConfig(m, EOS), SamplingParams(), d, p.tolist())
         for p, m, d in zip(prompts, limits, mixed_drafters(model))
     ]
-    results = decode_batch(model, requests)
+    results = decode_requests(model, requests)
     for prompt, result, reference in zip(prompts, results, expected):
         assert_same_or_near_tie(model, prompt, result.token_ids, reference)
     assert sum(r.stats.drafted_tokens for r in results) > 0, "the batch must carry drafts"
@@ -54,7 +55,7 @@ def test_a_batch_of_one_is_decode(tiny_deep_llama):
     prompt = repeating_prompt(30, 7)
     drafter = lambda: LayerSkipDrafter([4, 5], model.spec.num_items, max_draft=3, confidence_threshold=0.0)  # noqa: E731
     alone = decode(model, prefill(model, prompt, 20), DecodeConfig(20), SamplingParams(), drafter())
-    (batched,) = decode_batch(
+    (batched,) = decode_requests(
         model, [DecodingRequest(prefill(model, prompt, 20), DecodeConfig(20), SamplingParams(), drafter())]
     )
     assert batched.token_ids == alone.token_ids
@@ -85,7 +86,7 @@ def test_speculative_sampling_in_a_batch_matches_the_model_distribution(tiny_lla
             )
             for i in range(batch)
         ]
-        for result in decode_batch(model, requests):
+        for result in decode_requests(model, requests):
             tally.add(result)
     tally.assert_follows(exact)
 
@@ -113,7 +114,7 @@ def test_real_documents_decoded_together_keep_their_tokens():
         )
         for i, p in enumerate(prompts)
     ]
-    for prompt, result, reference in zip(prompts, decode_batch(model, requests), expected):
+    for prompt, result, reference in zip(prompts, decode_requests(model, requests), expected):
         assert_same_or_near_tie(model, prompt, result.token_ids, reference)
 
 

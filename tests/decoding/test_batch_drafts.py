@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from pipeline.decoding.batch_drafts import trim_drafts
+from pipeline.decoding.decode import decode, decode_requests
 from pipeline.decoding.drafters import Draft, DraftRequest, NoDraft
-from pipeline.decoding.loop import DecodeConfig, DecodingRequest, decode, decode_batch, prefill
+from pipeline.decoding.loop import DecodeConfig, DecodingRequest, prefill
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.step_cost import OnlineStepCost, StepCost, nonnegative_lstsq
@@ -242,7 +243,7 @@ def test_hybrid_drafts_cut_in_a_batch_keep_every_request_exact(tiny_llama):
     expected = [decode(model, prefill(model, p, 24), config, SamplingParams(), NoDraft()).token_ids for p in prompts]
     alone = [decode(model, prefill(model, p, 24), config, SamplingParams(), hybrid(), p.tolist()) for p in prompts]
     requests = [DecodingRequest(prefill(model, p, 24), config, SamplingParams(), hybrid(), p.tolist()) for p in prompts]
-    batched = decode_batch(model, requests)
+    batched = decode_requests(model, requests)
     for prompt, result, reference in zip(prompts, batched, expected):
         assert_same_or_near_tie(model, prompt, result.token_ids, reference)
     lookup_alone = sum(r.extra["num_lookup_steps"] for r in alone)
@@ -299,6 +300,6 @@ def test_sampling_with_cut_drafts_in_a_batch_matches_the_model_distribution(tiny
             )
             for i, estimate in enumerate(estimates)
         ]
-        for result in decode_batch(model, requests):
+        for result in decode_requests(model, requests):
             tally.add(result)
     tally.assert_follows(exact)

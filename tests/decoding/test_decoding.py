@@ -7,9 +7,10 @@ import itertools
 import pytest
 import torch
 
+from pipeline.decoding.decode import decode
 from pipeline.decoding.drafters import LayerSkipDrafter, NoDraft, default_static_skip
 from pipeline.decoding.hf_reference import run_hf_generate
-from pipeline.decoding.loop import DecodeConfig, decode, prefill
+from pipeline.decoding.loop import DecodeConfig, prefill
 from pipeline.decoding.sampling import SamplingParams, accept_greedy, probabilities
 from pipeline.errors import ConfigError
 from pipeline.model import short_attention

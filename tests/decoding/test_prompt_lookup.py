@@ -8,9 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pipeline.decoding.decode import decode
 from pipeline.decoding.drafters import DEFAULT_MAX_DRAFT, DraftRequest, NoDraft
 from pipeline.decoding.hf_reference import run_hf_generate
-from pipeline.decoding.loop import DecodeConfig, decode, prefill
+from pipeline.decoding.loop import DecodeConfig, prefill
 from pipeline.decoding.prompt_lookup import DEFAULT_LOOKUP_MAX_DRAFT, PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.engine import StrategyConfig

@@ -11,9 +11,10 @@ import pytest
 import torch
 from transformers import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
+from pipeline.decoding.decode import decode, decode_requests
 from pipeline.decoding.drafters import DraftRequest, LayerSkipDrafter, NoDraft
 from pipeline.decoding.hf_reference import run_hf_generate
-from pipeline.decoding.loop import DecodeConfig, DecodingRequest, decode, decode_batch, prefill
+from pipeline.decoding.loop import DecodeConfig, DecodingRequest, prefill
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.repetition import RepetitionState
 from pipeline.decoding.sampling import SamplingParams
@@ -235,7 +236,7 @@ def test_requests_in_a_batch_keep_their_own_repetition_control(tiny_checkpoint):
         DecodingRequest(prefill(model, p, m), DecodeConfig(m, EOS), q, _mixed(model, i), p.tolist())
         for i, (p, m, q) in enumerate(zip(prompts, limits, settings))
     ]
-    results = decode_batch(model, requests)
+    results = decode_requests(model, requests)
     batcher = ContinuousBatcher(model, max_batch=3, prefill_chunk=16)
     tickets = [
         batcher.submit(GenerationRequest(p, DecodeConfig(m, EOS), q, _mixed(model, i + 1)))

@@ -9,8 +9,9 @@ import threading
 import pytest
 import torch
 
+from pipeline.decoding.decode import decode
 from pipeline.decoding.drafters import LayerSkipDrafter, NoDraft
-from pipeline.decoding.loop import DecodeConfig, Prefilled, decode
+from pipeline.decoding.loop import DecodeConfig, Prefilled
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest, kv_bytes_per_position

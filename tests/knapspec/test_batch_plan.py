@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pipeline.decoding.batch_drafts import DraftBudget
-from pipeline.decoding.loop import DecodeConfig, DecodingRequest, decode, decode_batch, prefill
+from pipeline.decoding.decode import decode, decode_requests
+from pipeline.decoding.loop import DecodeConfig, DecodingRequest, prefill
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest
@@ -235,7 +236,7 @@ def decode_planned(checkpoint, hybrid: bool):
         prefilled = prefill(model, prompt, limit)
         config = DecodeConfig(limit, EOS)
         requests.append(DecodingRequest(prefilled, config, SamplingParams(), drafter(), prompt.tolist()))
-    results = decode_batch(model, requests)
+    results = decode_requests(model, requests)
     for prompt, limit, result in zip(prompts, limits, results):
         assert_same_or_near_tie(model, prompt, result.token_ids, alone(model, prompt, limit))
     assert any(s["searched"] for s in planner.searches), "the batch planner searched"
@@ -282,7 +283,7 @@ def decode_two_planned(model, owing: float = 0.0, **overrides) -> BatchPlanner:
         DecodingRequest(prefill(model, p, 40), DecodeConfig(40), SamplingParams(), drafter(), p.tolist())
         for p in prompts
     ]
-    for prompt, result in zip(prompts, decode_batch(model, requests)):
+    for prompt, result in zip(prompts, decode_requests(model, requests)):
         expected = decode(model, prefill(model, prompt, 40), DecodeConfig(40), SamplingParams()).token_ids
         assert_same_or_near_tie(model, prompt, result.token_ids, expected)
     return planner
@@ -317,7 +318,7 @@ def test_a_batch_search_plans_for_the_steps_at_its_tokens_per_step(tiny_deep_lla
         DecodingRequest(prefill(model, p, 40), DecodeConfig(40), SamplingParams(), drafter(), p.tolist())
         for p in prompts
     ]
-    decode_batch(model, requests)
+    decode_requests(model, requests)
     assert seen, "a batch search was budgeted"
     interval, tokens_left, tokens_per_step = seen[0]
     assert tokens_left <= 40 and tokens_per_step == pytest.approx(planner.history.tokens_per_step(), rel=0.5)

@@ -7,8 +7,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from pipeline.decoding.decode import decode
 from pipeline.decoding.drafters import NoDraft
-from pipeline.decoding.loop import DecodeConfig, decode, prefill
+from pipeline.decoding.loop import DecodeConfig, prefill
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.knapspec.baselines import ClaspDrafter, EarlyExitDrafter, SwiftDrafter, evaluate_skip_sets

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.decoding.loop import DecodeConfig, decode, prefill
+from pipeline.decoding.decode import decode
+from pipeline.decoding.loop import DecodeConfig, prefill
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.knapspec.skip_fractions import (
     alpha_from_tokens,
