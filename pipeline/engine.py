@@ -66,18 +66,16 @@ def _static(engine: Engine, strategy: StrategyConfig) -> Drafter:
 def _knapspec(coupled: bool) -> Callable[[Engine, StrategyConfig], Drafter]:
     def build(engine: Engine, strategy: StrategyConfig) -> Drafter:
         config = KnapSpecConfig(max_draft=strategy.max_draft, coupled=coupled)
-        drafter = KnapSpecDrafter(engine.latency, config, engine.search_history(strategy.name))
-        drafter.batch_planner = engine.batch_planner(strategy.name, config)
-        return drafter
+        name = strategy.name
+        return KnapSpecDrafter(engine.latency, config, engine.search_history(name), engine.batch_planner(name, config))
 
     return build
 
 
 def _knapspec_lookup(engine: Engine, strategy: StrategyConfig) -> Drafter:
     config = KnapSpecConfig(max_draft=strategy.max_draft)
-    drafter = KnapSpecLookupDrafter(engine.latency, config, PromptLookupDrafter(), engine.search_history(strategy.name))
-    drafter.knapspec.batch_planner = engine.batch_planner(strategy.name, config)
-    return drafter
+    history, planner = engine.search_history(strategy.name), engine.batch_planner(strategy.name, config)
+    return KnapSpecLookupDrafter(engine.latency, config, PromptLookupDrafter(), history, planner)
 
 
 def _baseline(cls: type) -> Callable[[Engine, StrategyConfig], Drafter]:

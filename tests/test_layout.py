@@ -107,3 +107,51 @@ def test_no_production_module_reads_the_environment():
 def test_modules_stay_small(package):
     sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in modules(package)}
     assert {k: n for k, n in sizes.items() if n > MAX_MODULE_LINES} == {}
+
+
+def test_no_module_imports_itself_round_a_circle():
+    """No import circle between modules, counting imports for type checkers and inside
+    functions: a circle means two modules that are one concern, or one reaching up."""
+    names = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p for p in modules(*PRODUCTION)}
+    graph = {}
+    for name, path in names.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                edges.add(node.module)
+                edges.update(f"{node.module}.{alias.name}" for alias in node.names)
+        graph[name] = {e for e in edges if e in names and e != name}
+    circles = [sorted(c) for c in _strongly_connected(graph) if len(c) > 1]
+    assert circles == []
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Tarjan's components of a directed graph."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            found.append(component)
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found

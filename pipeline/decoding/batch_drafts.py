@@ -23,14 +23,10 @@ draft sets every slot's attention growth, and each width is tried.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from pipeline.decoding.drafters import Draft
 from pipeline.decoding.step_cost import OnlineStepCost, StepCost, StepLatency
 from pipeline.model.kv_pool import PooledCache
-
-if TYPE_CHECKING:
-    from pipeline.decoding.loop import DecodingRequest
 
 
 def trim_drafts(
@@ -120,41 +116,45 @@ class DraftBudget:
             self.cost = self._start(latency)
         return self.cost
 
-    def fit(self, requests: Sequence[DecodingRequest], drafts: Sequence[Draft]) -> list[Draft]:
+    def fit(
+        self,
+        drafts: Sequence[Draft],
+        contexts: Sequence[int],
+        padded: bool,
+        latencies: Sequence[StepLatency | None],
+    ) -> list[Draft]:
         """The drafts of requests verified together, each cut to the positions that pay in this
-        batch; a request alone verifies its draft as proposed (its drafter weighed it)."""
+        batch; a request alone verifies its draft as proposed (its drafter weighed it).
+        `contexts`: the requests' cache lengths; `padded`: their caches are slots of one pool;
+        `latencies`: each drafter's table (the first of a draft with survival estimates starts
+        the step cost)."""
         drafts = list(drafts)
         if self.cost is None:
-            estimated = (r for r, d in zip(requests, drafts) if d.survival is not None)
-            latency = next((getattr(r.drafter, "latency", None) for r in estimated), None)
+            estimated = (latency for latency, d in zip(latencies, drafts) if d.survival is not None)
+            latency = next((latency for latency in estimated if latency is not None), None)
             if latency is None:
                 return drafts
             self.cost = self._start(latency)
         if len(drafts) < 2 or all(d.survival is None for d in drafts):
             return drafts
         lengths = trim_drafts(
-            [len(d.token_ids) for d in drafts],
-            [d.survival for d in drafts],
-            [r.cache.length for r in requests],
-            self.cost.current(),
-            padded=pooled(requests),
+            [len(d.token_ids) for d in drafts], [d.survival for d in drafts], contexts, self.cost.current(), padded
         )
         return [d.prefix(n) for d, n in zip(drafts, lengths)]
 
-    def observe(self, requests: Sequence[DecodingRequest], drafts: Sequence[Draft], seconds: float) -> None:
-        """The verify forward of these drafts (and nothing else) took `seconds`; call it before
-        the requests accept (their caches' lengths are those the forward attended over)."""
+    def observe(self, drafts: Sequence[Draft], contexts: Sequence[int], padded: bool, seconds: float) -> None:
+        """The verify forward of these drafts (and nothing else) over caches of `contexts`
+        positions took `seconds`."""
         if self.cost is not None:
-            contexts = [r.cache.length for r in requests]
-            self.cost.observe(contexts, [1 + len(d.token_ids) for d in drafts], pooled(requests), seconds)
+            self.cost.observe(contexts, [1 + len(d.token_ids) for d in drafts], padded, seconds)
             if self._observed is not None:
                 self._observed(self.cost)
 
 
-def pooled(requests: Sequence[DecodingRequest]) -> bool:
-    """Whether the requests' caches are slots of one pool: they attend together (packing.pooled_rows)."""
-    pools = {id(r.cache.pool) if isinstance(r.cache, PooledCache) else None for r in requests}
-    return len(requests) > 1 and None not in pools and len(pools) == 1
+def pooled(caches: Sequence) -> bool:
+    """Whether several caches are slots of one pool: they attend together (packing.pooled_rows)."""
+    pools = {id(cache.pool) if isinstance(cache, PooledCache) else None for cache in caches}
+    return len(caches) > 1 and None not in pools and len(pools) == 1
 
 
 # The device's fit is recorded once it has seen this many timed steps, then every RECORD_EVERY.

@@ -16,6 +16,7 @@ import torch
 
 from pipeline.decoding.repetition import RepetitionState
 from pipeline.decoding.sampling import SamplingParams, probabilities, sample
+from pipeline.decoding.step_cost import OnlineStepCost, StepLatency
 from pipeline.errors import ConfigError
 from pipeline.model import items
 from pipeline.model.kv_cache import KVCache
@@ -79,29 +80,40 @@ class DraftForward:
 DraftSteps = Generator[DraftForward, torch.Tensor, Draft]
 
 
-class Drafter(Protocol):
-    max_draft: int
+class BatchPlanning(Protocol):
+    """Plans the layer drafts of a batch's requests together (knapspec/batch_plan.py)."""
 
-    def propose(self, request: DraftRequest) -> Draft:
-        """Up to `request.max_tokens` tokens to follow `request.pending`. May write K/V
-        beyond `cache.length`; verification overwrites them."""
+    def prepare(self, model, requests: Sequence, cost: OnlineStepCost | None) -> None: ...
+
+
+class Drafter(Protocol):
+    """What proposes a request's drafts. Proposing is a generator of the draft forwards it
+    needs (`DraftSteps`): a batch runs those of all its requests together, and a drafter that
+    copies or proposes nothing asks for none."""
+
+    max_draft: int
+    # The table its drafts' survival estimates are weighed against (batch_drafts.py); None: it makes none.
+    latency: StepLatency | None
+    # Who plans its layer drafts with the other requests of a batch; None: it plans alone, if at all.
+    batch_planner: BatchPlanning | None
+
+    def propose_steps(self, request: DraftRequest) -> DraftSteps:
+        """Up to `request.max_tokens` tokens to follow `request.pending`, asking for the draft
+        forwards it needs. They may write K/V beyond `cache.length`; verification overwrites them."""
         ...
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """Feedback after verification."""
         ...
 
-
-def draft_steps(drafter: Drafter, request: DraftRequest) -> DraftSteps:
-    """`drafter`'s proposal as steps: those of a drafter that drafts with forwards of the model
-    (`propose_steps`); any other's proposal at once, without a step."""
-    steps = getattr(drafter, "propose_steps", None)
-    return steps(request) if steps is not None else _at_once(drafter, request)
+    def summary(self) -> dict:
+        """What it reports with the request's result (GenerationResult.extra)."""
+        ...
 
 
-def _at_once(drafter: Drafter, request: DraftRequest) -> DraftSteps:
-    return drafter.propose(request)
-    yield  # a generator that asks for nothing
+def propose(drafter: Drafter, request: DraftRequest) -> Draft:
+    """`drafter`'s draft for a request alone, each draft forward on the request's own cache."""
+    return run_steps(request, drafter.propose_steps(request))
 
 
 def run_steps(request: DraftRequest, steps: DraftSteps) -> Draft:
@@ -121,16 +133,25 @@ class NoDraft:
     """Plain autoregressive decoding."""
 
     max_draft = 0
+    latency = None
+    batch_planner = None
 
-    def propose(self, request: DraftRequest) -> Draft:
+    def propose_steps(self, request: DraftRequest) -> DraftSteps:
         return Draft([])
+        yield  # a generator that asks for nothing
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         pass
 
+    def summary(self) -> dict:
+        return {}
+
 
 class LayerSkipDrafter:
     """Drafts with the model minus the items in `skip`."""
+
+    latency = None
+    batch_planner = None
 
     def __init__(
         self,
@@ -144,9 +165,6 @@ class LayerSkipDrafter:
             raise ConfigError(f"max_draft must be >= 1, got {max_draft}")
         self.max_draft = max_draft
         self.confidence_threshold = confidence_threshold
-
-    def propose(self, request: DraftRequest) -> Draft:
-        return run_steps(request, self.propose_steps(request))
 
     def propose_steps(self, request: DraftRequest) -> DraftSteps:
         cache, params = request.cache, request.params
@@ -175,6 +193,9 @@ class LayerSkipDrafter:
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         pass
+
+    def summary(self) -> dict:
+        return {}
 
 
 def validate_skip(skip: Iterable[int], num_items: int) -> list[int]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.decoding.batch_drafts import DraftBudget
-from pipeline.decoding.drafters import Draft, Drafter, DraftForward, DraftRequest, DraftSteps, NoDraft, draft_steps
+from pipeline.decoding.drafters import Draft, Drafter, DraftForward, DraftRequest, DraftSteps, NoDraft
 from pipeline.decoding.sampling import (
     SamplingParams,
     accept_greedy,
@@ -85,7 +85,7 @@ def plan_together(model: SublayerModel, requests: Sequence[DecodingRequest], bud
     step cost; alone, a request plans for itself."""
     groups: dict[int, tuple[object, list[DecodingRequest]]] = {}
     for request in requests:
-        planner = getattr(request.drafter, "batch_planner", None)
+        planner = request.drafter.batch_planner
         if planner is not None:
             groups.setdefault(id(planner), (planner, []))[1].append(request)
     for planner, members in groups.values():
@@ -160,12 +160,9 @@ class DecodingRequest:
         self.finish_reason: str | None = None  # set when done (stopping.FINISH_REASONS)
         self._check_done()
 
-    def propose(self, model: SublayerModel) -> Draft:
-        return self.drafter.propose(self._draft_request(model))
-
     def propose_steps(self, model: SublayerModel) -> DraftSteps:
         """The proposal as steps, for drafting together with other requests (propose_together)."""
-        return draft_steps(self.drafter, self._draft_request(model))
+        return self.drafter.propose_steps(self._draft_request(model))
 
     def _draft_request(self, model: SublayerModel) -> DraftRequest:
         # Drafting past the token limit is wasted: the verify step emits one token more than it drafts.
@@ -219,7 +216,7 @@ class DecodingRequest:
 
     def result(self) -> GenerationResult:
         # Searching drafters report their own numbers (search time, plans chosen).
-        extra = self.drafter.summary() if hasattr(self.drafter, "summary") else {}
+        extra = self.drafter.summary()
         return GenerationResult(token_ids=self.output, stats=self.stats, finish_reason=self.finish_reason, extra=extra)
 
     def _check_done(self, stopped: str | None = None) -> None:

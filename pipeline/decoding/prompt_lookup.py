@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pipeline.decoding.drafters import Draft, DraftRequest
+from pipeline.decoding.drafters import Draft, DraftRequest, DraftSteps
 from pipeline.errors import ConfigError
 
 DEFAULT_LOOKUP_MAX_DRAFT = 3
@@ -86,6 +86,9 @@ class PromptLookupDrafter:
     exactly sampling from p.
     """
 
+    latency = None
+    batch_planner = None
+
     def __init__(
         self,
         max_ngram: int = DEFAULT_MAX_NGRAM,
@@ -113,7 +116,12 @@ class PromptLookupDrafter:
     def min_ngram(self) -> int:
         return self._index.min_ngram
 
+    def propose_steps(self, request: DraftRequest) -> DraftSteps:
+        return self.propose(request)
+        yield  # a copy needs no forward
+
     def propose(self, request: DraftRequest) -> Draft:
+        """The copy that follows the longest recent n-gram's last occurrence (none without one)."""
         limit = min(self.max_draft, request.max_tokens)
         if limit < 1:
             return Draft([])
@@ -147,6 +155,9 @@ class PromptLookupDrafter:
         self.num_drafted += num_drafted
         self.num_accepted += num_accepted
         self._recent.append((num_drafted, num_accepted))
+
+    def summary(self) -> dict:
+        return {}
 
     @property
     def acceptance_rate(self) -> float:

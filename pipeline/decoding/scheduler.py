@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.decoding.batch_drafts import DraftBudget
+from pipeline.decoding.batch_drafts import DraftBudget, pooled
 from pipeline.decoding.drafters import Drafter
+from pipeline.decoding.isolation import forward_isolating
 from pipeline.decoding.loop import (
     DecodeConfig,
     DecodingRequest,
@@ -192,7 +193,7 @@ class ContinuousBatcher:
 
         A failure costs only its own request: a drafter, a bookkeeping step or non-finite
         logits end the request they belong to, and a failed forward is run again in halves
-        until the request that broke it is found (`_forward_isolating`)."""
+        until the request that broke it is found (isolation.py)."""
         finished = self._admit() + self._finished_early
         self._finished_early = []
         step_started = time.perf_counter()
@@ -205,7 +206,11 @@ class ContinuousBatcher:
                 finished.append(self._fail(ticket, draft))
             else:
                 pairs.append((ticket, request, draft))
-        fitted = self.budget.fit([r for _, r, _ in pairs], [d for _, _, d in pairs])
+        caches = [r.cache for _, r, _ in pairs]
+        padded = pooled(caches)
+        fitted = self.budget.fit(
+            [d for _, _, d in pairs], [c.length for c in caches], padded, [r.drafter.latency for _, r, _ in pairs]
+        )
         blocks, kept = [], []
         for (ticket, request, _), draft in zip(pairs, fitted):
             try:
@@ -223,11 +228,11 @@ class ContinuousBatcher:
         if not blocks:
             return finished
         started = time.perf_counter()
-        outputs, isolated = self._forward_isolating(blocks)
+        outputs, isolated = forward_isolating(self.model, blocks)
         seconds = time.perf_counter() - started
         self.steps += 1
         if chunk is None and not isolated:  # a prefill chunk's rows cost by other rules than the step model's
-            self.budget.observe([r for _, r, _ in pairs], [d for _, _, d in pairs], seconds)
+            self.budget.observe([d for _, _, d in pairs], [r.cache.length for _, r, _ in pairs], padded, seconds)
         emitted = sum(len(r.output) for _, r, _ in pairs)
         for (ticket, request, draft), logits in zip(pairs, outputs):
             if isinstance(logits, BaseException):
@@ -267,36 +272,6 @@ class ContinuousBatcher:
             except Exception as e:
                 drafts.append(e)
         return drafts
-
-    def _forward_isolating(self, blocks: list[RequestRows]) -> tuple[list, bool]:
-        """The batched forward's outputs, and whether it had to be isolated: where it fails, the
-        halves run again (a forward only writes K/V at positions not yet committed, so a rerun
-        writes the same), recursively, until each failure is pinned on one block. When both
-        halves of a failing forward fail, the fault is taken to be the forward's, not one
-        request's, and every block gets the error (a sticky device error would otherwise cost
-        2n forwards)."""
-        try:
-            return list(self.model.forward_batch(blocks, logits="all")), False
-        except Exception as e:
-            logger.exception("A batched forward of %d blocks failed", len(blocks))
-            return self._isolate(blocks, e), True
-
-    def _isolate(self, blocks: list[RequestRows], error: BaseException) -> list:
-        if len(blocks) == 1:
-            return [error]
-        halves = [blocks[: len(blocks) // 2], blocks[len(blocks) // 2 :]]
-        outs: list = []
-        for half in halves:
-            try:
-                outs.append(list(self.model.forward_batch(half, logits="all")))
-            except Exception as e:
-                outs.append(e)
-        if all(isinstance(out, BaseException) for out in outs):
-            return [error] * len(blocks)
-        found = []
-        for half, out in zip(halves, outs):
-            found += self._isolate(half, out) if isinstance(out, BaseException) else out
-        return found
 
     def run(self) -> list[Finished]:
         """Step until every submitted request has finished."""

@@ -210,7 +210,7 @@ class BatchPlanner:
         planner), re-made when due, adopted by each. Alone, or on a model this planner cannot
         search (a pipeline runs its DP stage by stage), each request plans for itself, from the
         table as `cost` (the fit of the timed steps) corrects it once it has seen a few steps."""
-        drafters = [layer_drafter(r.drafter) for r in requests]
+        drafters = [r.drafter.layer_drafter for r in requests]
         for drafter in drafters:  # for when it plans alone
             drafter.follow(cost)
         if len(requests) < 2 or isinstance(model, RunsKnapsack) or not isinstance(self.latency, LatencyModel):
@@ -220,7 +220,7 @@ class BatchPlanner:
             return
         batch = BatchLatency.of(self.latency, cost.current() if cost is not None else None)
         contexts = [r.cache.length for r in requests]
-        padded = pooled(requests)
+        padded = pooled([r.cache for r in requests])
         self.history.decoded(batch.t_step((), BatchShape.decoding(contexts, 1, padded)))
         weights = tuple(batch.item_weights(BatchShape.decoding(contexts, 1, padded), self.config.weight_cap))
         self._steps += 1
@@ -363,7 +363,7 @@ class BatchPlanner:
         self.history.record(weights, plan.use_ar)
         share = seconds / len(requests)
         for r in requests:  # the search is every member's: each carries its share of the time
-            layer_drafter(r.drafter).optimize_s += share
+            r.drafter.layer_drafter.optimize_s += share
         attn, mlp = items.count_kinds(plan.skip or ())
         self.num_searches += 1
         self.searches.append(
@@ -391,11 +391,6 @@ class BatchPlanner:
             choice.tpt,
             choice.ar_tpt,
         )
-
-
-def layer_drafter(drafter):
-    """The drafter that holds a request's layer plan: the KnapSpec part of the hybrid."""
-    return getattr(drafter, "knapspec", drafter)
 
 
 def _mean(values: Sequence[int]) -> int:

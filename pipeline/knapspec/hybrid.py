@@ -13,7 +13,7 @@ misses would stop it copying for the rest of a request, however good later copie
 
 from __future__ import annotations
 
-from pipeline.decoding.drafters import Draft, DraftRequest, DraftSteps, run_steps
+from pipeline.decoding.drafters import BatchPlanning, Draft, DraftRequest, DraftSteps
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.knapspec.drafter import KnapSpecDrafter
 from pipeline.knapspec.latency import LatencyModel
@@ -35,8 +35,9 @@ class KnapSpecLookupDrafter:
         config: KnapSpecConfig,
         lookup: PromptLookupDrafter,
         history: SearchHistory | None = None,
+        batch_planner: BatchPlanning | None = None,
     ) -> None:
-        self.knapspec = KnapSpecDrafter(latency, config, history)
+        self.knapspec = KnapSpecDrafter(latency, config, history, batch_planner)
         self.lookup = lookup
         self.max_draft = max(config.max_draft, lookup.max_draft)
         self.num_lookup_drafted = self.num_lookup_accepted = 0
@@ -56,9 +57,14 @@ class KnapSpecLookupDrafter:
         return self.knapspec.latency
 
     @property
-    def batch_planner(self):
+    def batch_planner(self) -> BatchPlanning | None:
         """The batch planner of its layer drafts (batch_plan.py); copied drafts are its own."""
         return self.knapspec.batch_planner
+
+    @property
+    def layer_drafter(self) -> KnapSpecDrafter:
+        """The drafter that holds the request's layer plan: its KnapSpec part."""
+        return self.knapspec
 
     def survival(self, gamma: int) -> list[float]:
         """[j]: P(copied positions 0..j all accepted), for j < γ, from the counts and the prior."""
@@ -92,9 +98,6 @@ class KnapSpecLookupDrafter:
             else:
                 waiting.append((start, tokens))  # right so far: the next tokens decide
         self._shadows = waiting
-
-    def propose(self, request: DraftRequest) -> Draft:
-        return run_steps(request, self.propose_steps(request))
 
     def propose_steps(self, request: DraftRequest) -> DraftSteps:
         self.score_declined(request.token_ids)

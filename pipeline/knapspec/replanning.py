@@ -19,11 +19,11 @@ import torch
 
 from pipeline.decoding.drafters import (
     DEFAULT_CONFIDENCE_THRESHOLD,
+    BatchPlanning,
     Draft,
     DraftRequest,
     DraftSteps,
     LayerSkipDrafter,
-    run_steps,
 )
 from pipeline.decoding.step_cost import MIN_TIMED_STEPS, OnlineStepCost
 from pipeline.errors import ConfigError
@@ -164,7 +164,15 @@ class ReplanningDrafter:
     observed under the current plan, and drafts with the plan's skip set and γ.
     """
 
-    def __init__(self, latency: LatencyModel, config: KnapSpecConfig, history: SearchHistory | None = None) -> None:
+    def __init__(
+        self,
+        latency: LatencyModel,
+        config: KnapSpecConfig,
+        history: SearchHistory | None = None,
+        batch_planner: BatchPlanning | None = None,
+    ) -> None:
+        """`batch_planner`: who plans this drafter's drafts with the other requests of a batch
+        that share it (knapspec/batch_plan.py); None: it plans for itself alone."""
         self.table = latency  # the device's, as given
         self.latency = latency  # what plans are made from: the table, or the table as timed steps corrected it
         self.config = config
@@ -180,13 +188,15 @@ class ReplanningDrafter:
         self.optimize_s = 0.0
         self.plans: list[DraftPlan] = []
         self.num_postponed = 0  # checks that found no time for a search
-        # Inside a batch a BatchPlanner (batch_plan.py) may plan for this request with the
-        # others: while it does, this drafter drafts with the batch's plan and does not search.
-        self.batch_planner = None
+        # While the batch planner plans for this request with the others, this drafter drafts
+        # with the batch's plan and does not search.
+        self.batch_planner = batch_planner
         self._adopted = False
 
-    def propose(self, request: DraftRequest) -> Draft:
-        return run_steps(request, self.propose_steps(request))
+    @property
+    def layer_drafter(self) -> ReplanningDrafter:
+        """The drafter that holds the request's layer plan (a batch planner's to set): itself."""
+        return self
 
     def propose_steps(self, request: DraftRequest) -> DraftSteps:
         """Re-plan when due (the search runs here, for this request alone), then draft with the

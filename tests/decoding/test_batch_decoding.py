@@ -121,7 +121,7 @@ def test_real_documents_decoded_together_keep_their_tokens():
 def test_drafts_of_one_sub_network_share_their_forwards(tiny_deep_llama):
     """Three requests drafting with one skip set draft together: one batched forward per draft
     position for all three (not one per request), and the drafts are those drafted alone."""
-    from pipeline.decoding.drafters import DraftRequest
+    from pipeline.decoding.drafters import DraftRequest, propose
     from pipeline.decoding.loop import propose_together
 
     _, model = load_tiny(tiny_deep_llama)
@@ -135,8 +135,8 @@ def test_drafts_of_one_sub_network_share_their_forwards(tiny_deep_llama):
 
     alone = []
     for request in requests():
-        alone.append(request.drafter.propose(DraftRequest(model, request.cache, request.history, 9, SamplingParams(),
-                                                          None, frozenset())).token_ids)  # fmt: skip
+        draft_request = DraftRequest(model, request.cache, request.history, 9, SamplingParams(), None, frozenset())
+        alone.append(propose(request.drafter, draft_request).token_ids)
     calls = []
     forward_batch = model.forward_batch
     model.forward_batch = lambda blocks, **kw: calls.append(len(blocks)) or forward_batch(blocks, **kw)

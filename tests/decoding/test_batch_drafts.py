@@ -14,7 +14,7 @@ import torch
 
 from pipeline.decoding.batch_drafts import trim_drafts
 from pipeline.decoding.decode import decode, decode_requests
-from pipeline.decoding.drafters import Draft, DraftRequest, NoDraft
+from pipeline.decoding.drafters import Draft, DraftRequest, DraftSteps, NoDraft
 from pipeline.decoding.loop import DecodeConfig, DecodingRequest, prefill
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
@@ -257,11 +257,19 @@ class _LikeliestNext:
     fixed survival estimate: a draft the model often accepts, and often not."""
 
     max_draft = 1
+    batch_planner = None
 
     def __init__(self, after: dict[int, int], survival: float, latency) -> None:
         self.after, self.survival, self.latency = after, survival, latency
 
-    def propose(self, request: DraftRequest) -> Draft:
+    def propose_steps(self, request: DraftRequest) -> DraftSteps:
+        return self._propose(request)
+        yield
+
+    def summary(self) -> dict:
+        return {}
+
+    def _propose(self, request: DraftRequest) -> Draft:
         if request.max_tokens < 1 or request.pending not in self.after:
             return Draft([])
         token = self.after[request.pending]

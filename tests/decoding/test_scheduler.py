@@ -111,8 +111,9 @@ def test_kv_budget_admits_what_fits_and_refuses_what_never_can(tiny_llama):
 
 
 class _BrokenDrafter(NoDraft):
-    def propose(self, request):
+    def propose_steps(self, request):
         raise RuntimeError("drafter broke")
+        yield
 
 
 def test_a_failing_request_leaves_the_others_running(tiny_llama):

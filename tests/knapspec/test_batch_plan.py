@@ -210,12 +210,8 @@ def planned_batch(model, latency, hybrid: bool = False, **overrides):
 
     def drafter():
         if hybrid:
-            d = KnapSpecLookupDrafter(latency, config, PromptLookupDrafter())
-            d.knapspec.batch_planner = planner
-        else:
-            d = KnapSpecDrafter(latency, config)
-            d.batch_planner = planner
-        return d
+            return KnapSpecLookupDrafter(latency, config, PromptLookupDrafter(), batch_planner=planner)
+        return KnapSpecDrafter(latency, config, batch_planner=planner)
 
     return planner, drafter
 

@@ -107,8 +107,7 @@ def test_the_store_records_a_correction_and_plans_from_it(tmp_path):
 
 
 def timed_step(budget, contexts, seconds):
-    requests = [SimpleNamespace(cache=SimpleNamespace(length=n)) for n in contexts]
-    budget.observe(requests, [SimpleNamespace(token_ids=[])] * len(contexts), seconds)
+    budget.observe([SimpleNamespace(token_ids=[])] * len(contexts), contexts, False, seconds)
 
 
 def test_the_device_fit_is_shared_by_batches_and_recorded_now_and_then(monkeypatch):
