@@ -256,7 +256,8 @@ def run_batch(
         )
         for p, f in zip(prompts, prefilled)
     ]
-    searched, postponed = engine.num_batch_searches(strategy), engine.num_batch_postponed(strategy)
+    drafters = engine.drafters
+    searched, postponed = drafters.num_batch_searches(strategy), drafters.num_batch_postponed(strategy)
     started, steps = time.perf_counter(), []
     # The engine's step-cost fit, shared by its batches as a replica's are (a request alone plans from it).
     budget = engine.step_cost.budget()
@@ -266,9 +267,9 @@ def run_batch(
     results = decode_requests(engine.model, requests, budget, steps)
     decode_s = time.perf_counter() - started
     _report_step_errors(results, budget, seen_before, changes_before)
-    new = engine.num_batch_searches(strategy) - searched
-    searches = engine.batch_searches(strategy)[-new:] if new else []
-    postponed = engine.num_batch_postponed(strategy) - postponed
+    new = drafters.num_batch_searches(strategy) - searched
+    searches = drafters.batch_searches(strategy)[-new:] if new else []
+    postponed = drafters.num_batch_postponed(strategy) - postponed
     return BatchRun(results, decode_s, sum(f.seconds for f in prefilled), searches, postponed, steps)
 
 

@@ -5,7 +5,8 @@
 - `knapspec/`: latency model, knapsack DP, TPT plan, the KnapSpec drafters and baselines;
 - `parallel/`: pipeline stages and tensor-parallel slices of one model;
 - `summarization/`: the summarization job's data stages;
-- `engine.py`: the front door — load a model once, generate with any strategy;
+- `engine.py`: the front door — load a model once, generate a batch with any strategy;
+- `strategies.py`: the decoding strategies and how each builds a request's drafter;
 - `errors.py`, `logs.py`, `locks.py`, `cli.py`: shared by all: the error hierarchy, logging set-up,
   lock files that name their holder, and
   what the command-line jobs check and report alike.

@@ -5,11 +5,17 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from pipeline.decoding.loop import DecodeConfig, GenerationResult
+from pipeline.decoding.prompt_lookup import DEFAULT_MAX_NGRAM
 from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.stats import GenerationStats
+from pipeline.decoding.stopping import end_on_sentence
 from pipeline.errors import ConfigError
+from pipeline.model.checkpoint import load_hf_model
 from pipeline.model.linear import ComputeMode
 
 
@@ -166,3 +172,68 @@ def _generate(model, prompts: Sequence[torch.Tensor], generation_config, params:
         end = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
         runs.append(HFRun(row[:end], first - t0, t1 - first, num_forwards))
     return runs
+
+
+class HFReference:
+    """transformers' `generate()` over a checkpoint, as the engine's outside reference: the
+    model loaded on first use, its answers cut by the same sentence rule, with statistics in
+    our terms."""
+
+    def __init__(self, path: Path, device: torch.device, mode: ComputeMode, pad_token_id: int | None) -> None:
+        self.path, self.device, self.mode, self.pad_token_id = path, device, mode, pad_token_id
+        self._model = None
+
+    @property
+    def model(self):
+        if self._model is None:
+            self._model = prepare_hf_model(load_hf_model(self.path).to(self.device), self.mode)
+        return self._model
+
+    def generate(
+        self, prompt_ids: torch.Tensor, config: DecodeConfig, params: SamplingParams, lookup_tokens: int | None = None
+    ) -> GenerationResult:
+        """One prompt; `lookup_tokens`: transformers' own prompt lookup, with drafts of that many tokens."""
+        run = run_hf_generate(
+            self.model,
+            prompt_ids,
+            config.max_new_tokens,
+            config.eos_token_ids,
+            params,
+            self.pad_token_id,
+            prompt_lookup_num_tokens=lookup_tokens,
+            max_matching_ngram_size=None if lookup_tokens is None else DEFAULT_MAX_NGRAM,
+        )
+        return self._result(prompt_ids, run, config)
+
+    def generate_batches(
+        self, prompts: Sequence[torch.Tensor], config: DecodeConfig, params: Sequence[SamplingParams], max_batch: int
+    ) -> list[GenerationResult]:
+        """Left-padded generate() batches of up to `max_batch` prompts; a batch samples with one
+        setting for all its prompts, so every prompt must have the same."""
+        if any(q != params[0] for q in params):
+            raise ConfigError("a generate() batch samples with one setting for all its prompts")
+        results = []
+        for at in range(0, len(prompts), max_batch):
+            batch = prompts[at : at + max_batch]
+            runs = run_hf_generate_batch(
+                self.model, batch, config.max_new_tokens, config.eos_token_ids, params[0], self.pad_token_id
+            )
+            results += [self._result(prompt, run, config) for prompt, run in zip(batch, runs)]
+        return results
+
+    @staticmethod
+    def _result(prompt_ids: torch.Tensor, run: HFRun, config: DecodeConfig) -> GenerationResult:
+        # generate() stops at EOS and the budget only: the sentence rule applies to its stream after.
+        token_ids, finish = end_on_sentence(run.token_ids, config.max_new_tokens, config.eos_token_ids, config.stop)
+        # generate() does not say how many tokens it drafted, only how many forwards it
+        # ran; tokens beyond one per forward were accepted drafts. In a batch the forwards
+        # are the batch's: a request that ended early ran fewer.
+        stats = GenerationStats(
+            prompt_tokens=prompt_ids.numel(),
+            output_tokens=len(token_ids),
+            steps=min(run.num_forwards, max(len(token_ids) - 1, 0)),
+            accepted_tokens=max(len(token_ids) - 1 - run.num_forwards, 0),
+            prefill_s=run.prefill_s,
+            decode_s=run.decode_s,
+        )
+        return GenerationResult(token_ids=token_ids, stats=stats, finish_reason=finish)
