@@ -64,12 +64,14 @@ def test_a_batch_search_counts_against_the_batch_decode_time():
 
 def test_the_full_batch_rate_counts_only_the_steps_the_whole_batch_ran():
     from pipeline.decoding.loop import GenerationResult
+    from pipeline.decoding.scheduler import StepRecord
     from pipeline.decoding.stats import GenerationStats
 
     benchmark = load_job("benchmark.py", "benchmark_script")
     results = [GenerationResult([1] * 9, GenerationStats(), "length") for _ in range(3)]
     # Three requests: two steps of all three (6 and 9 tokens), then one left alone at a slower rate.
-    run = benchmark.BatchRun(results, decode_s=3.0, prefill_s=1.0, steps=[(3, 6, 0.5), (3, 9, 0.5), (1, 2, 2.0)])
+    steps = [StepRecord(3, 6, 0.5), StepRecord(3, 9, 0.5), StepRecord(1, 2, 2.0)]
+    run = benchmark.BatchRun(results, decode_s=3.0, prefill_s=1.0, steps=steps)
     assert run.tokens_per_s == pytest.approx(24 / 3.0)
     assert run.full_batch_tokens_per_s == pytest.approx(15 / 1.0)
     assert benchmark.BatchRun(results, decode_s=3.0, prefill_s=1.0).full_batch_tokens_per_s is None  # untimed steps
