@@ -206,11 +206,8 @@ class ContinuousBatcher:
                 finished.append(self._fail(ticket, draft))
             else:
                 pairs.append((ticket, request, draft))
-        caches = [r.cache for _, r, _ in pairs]
-        padded = pooled(caches)
-        fitted = self.budget.fit(
-            [d for _, _, d in pairs], [c.length for c in caches], padded, [r.drafter.latency for _, r, _ in pairs]
-        )
+        caches, latencies = [r.cache for _, r, _ in pairs], [r.drafter.latency for _, r, _ in pairs]
+        fitted = self.budget.fit([d for _, _, d in pairs], [c.length for c in caches], pooled(caches), latencies)
         blocks, kept = [], []
         for (ticket, request, _), draft in zip(pairs, fitted):
             try:
@@ -232,8 +229,9 @@ class ContinuousBatcher:
         seconds = time.perf_counter() - started
         self.steps += 1
         if chunk is None and not isolated:  # a prefill chunk's rows cost by other rules than the step model's
-            self.budget.observe([d for _, _, d in pairs], [r.cache.length for _, r, _ in pairs], padded, seconds)
-        emitted = sum(len(r.output) for _, r, _ in pairs)
+            caches = [r.cache for _, r, _ in pairs]
+            self.budget.observe([d for _, _, d in pairs], [c.length for c in caches], pooled(caches), seconds)
+        emitted = sum(len(r.output) for _, r, _ in pairs) if self.step_log is not None else 0
         for (ticket, request, draft), logits in zip(pairs, outputs):
             if isinstance(logits, BaseException):
                 finished.append(self._fail(ticket, logits, what="its verify forward"))
