@@ -45,12 +45,12 @@ from pipeline.knapspec.latency import LatencyModel
 from pipeline.knapspec.replanning import (
     KnapSpecConfig,
     SearchHistory,
-    branches_within,
     search_budget,
     search_interval,
     steps_planned_for,
     top1_tokens,
 )
+from pipeline.knapspec.search_problem import branch_cap, knapsack_problem
 from pipeline.knapspec.tpt import DraftPlan, expected_tokens, smoothed_alpha
 from pipeline.model import items
 
@@ -284,7 +284,7 @@ class BatchPlanner:
         branches = self._branches(batch, contexts, padded, spans, requests, gain)
         if branches == 0:
             return None
-        problem = self._problem(weights, model.spec.num_layers, branches)
+        problem = knapsack_problem(config, weights, model.spec.num_layers, branches)
         candidates = search_batch_candidates(model, spans, problem, layer_rows=config.coupled)
         full = candidates[0][1]
         scored = []
@@ -333,30 +333,19 @@ class BatchPlanner:
     def _branches(self, batch: BatchLatency, contexts, padded, spans, requests, bound_gain: float) -> int | None:
         """The branch cap that keeps the search within its budget over the batch's decode time
         until the next search (KnapSpecDrafter.search_branches, for a batch)."""
-        cap = self.config.max_branches
         # The batch decodes until its longest request is done, at its requests' tokens per step.
         tokens_left = max(r.config.max_new_tokens - len(r.output) for r in requests)
         interval = search_interval(self.config, self.history, self._weights)
         steps = steps_planned_for(interval, tokens_left, self.history.tokens_per_step())
-        plain = steps * batch.t_step((), BatchShape.decoding(contexts, 1, padded))
-        budget = search_budget(self.config, plain, bound_gain)
-        if budget is None:
-            return cap
-        budget -= self.history.search_debt  # what earlier searches took and decoding has not paid back
         scale = statistics.median(self._cost_ratios) if self._cost_ratios else 1.0
-        most = (
-            cap if cap is not None else sum(self.latency.item_weights(_mean(contexts), self.config.weight_cap)) // 2 + 1
+        return branch_cap(
+            self.config,
+            steps * batch.t_step((), BatchShape.decoding(contexts, 1, padded)),
+            bound_gain,
+            self.history.search_debt,
+            lambda: sum(self.latency.item_weights(_mean(contexts), self.config.weight_cap)) // 2 + 1,
+            lambda branches: self.search_cost(branches, spans) * scale,
         )
-        return branches_within(budget, most, lambda branches: self.search_cost(branches, spans) * scale)
-
-    def _problem(self, weights: tuple[int, ...], num_layers: int, branches: int | None) -> KnapsackProblem:
-        config = self.config
-        if config.coupled:
-            weights = tuple(sum(weights[item] for item in items.layer_items(layer)) for layer in range(num_layers))
-            always = frozenset({0, num_layers - 1})
-        else:
-            always = default_always_execute(num_layers)
-        return KnapsackProblem(weights, sum(weights) // 2, config.threshold, always, branches)
 
     def _record(self, choice: BatchChoice, weights, contexts, seconds, requests, searched: bool) -> None:
         plan = choice.plan

@@ -15,15 +15,15 @@ from dataclasses import replace
 import torch
 
 from pipeline.decoding.drafters import DraftRequest
-from pipeline.knapspec.knapsack import KnapsackProblem, default_always_execute, most_saved, run_knapsack
+from pipeline.knapspec.knapsack import default_always_execute, most_saved, run_knapsack
 from pipeline.knapspec.replanning import (
     KnapSpecConfig,
     ReplanningDrafter,
-    branches_within,
     search_budget,
     steps_planned_for,
     top1_tokens,
 )
+from pipeline.knapspec.search_problem import branch_cap, knapsack_problem
 from pipeline.knapspec.tpt import DraftPlan, ScoredCandidate, choose_plan, smoothed_alpha
 from pipeline.model import items
 from pipeline.model.sublayer_model import SublayerModel
@@ -77,16 +77,17 @@ class KnapSpecDrafter(ReplanningDrafter):
         fits, fewer when not, 0 when not even MIN_SEARCH_BRANCHES do. `steps_left`: the
         request's tokens left, decoded at the engine's recent tokens per step; `bound_gain`: the
         optimistic bound's tokens/s over AR's."""
-        cap = self.config.max_branches
         steps = steps_planned_for(self._interval(), steps_left, self.history.tokens_per_step())
-        budget = search_budget(self.config, steps * self.latency.t_verify(1, context), bound_gain)
-        if budget is None:
-            return cap
-        budget -= self.history.search_debt  # what earlier searches took and decoding has not paid back
         scale = self.history.search_cost_scale()
-        # Uncapped, the DP keeps at most one cell per budget: half the total weight, + 1.
-        most = cap if cap is not None else sum(self.latency.item_weights(context, self.config.weight_cap)) // 2 + 1
-        return branches_within(budget, most, lambda branches: self.search_cost(branches, context) * scale)
+        return branch_cap(
+            self.config,
+            steps * self.latency.t_verify(1, context),
+            bound_gain,
+            self.history.search_debt,
+            # Uncapped, the DP keeps at most one cell per budget: half the total weight, + 1.
+            lambda: sum(self.latency.item_weights(context, self.config.weight_cap)) // 2 + 1,
+            lambda branches: self.search_cost(branches, context) * scale,
+        )
 
     def optimistic_candidate(self, weights: tuple[int, ...], context: int, num_layers: int) -> ScoredCandidate:
         """An upper bound on any candidate: α as if every reference token matched, and the
@@ -113,22 +114,7 @@ def search_candidates(
     """Run the DP on reference tokens at [prefix, prefix + r); returns (skip set, top-1
     tokens [r]) per candidate, the full model (empty skip) first. `bypass`: on a pipeline,
     (first item, end item, weight) of each stage a draft can bypass, and the hop it saves."""
-    num_layers = model.spec.num_layers
-    if config.coupled:
-        # Layer-granular items: attention and MLP of a layer skipped together.
-        weights = tuple(sum(weights[item] for item in items.layer_items(layer)) for layer in range(num_layers))
-        bypass = tuple((first // 2, end // 2, w) for first, end, w in bypass)
-        always = frozenset({0, num_layers - 1})
-    else:
-        always = default_always_execute(num_layers)
-    problem = KnapsackProblem(
-        weights=weights,
-        budget=sum(weights) // 2,
-        threshold=config.threshold,
-        always_execute=always,
-        max_branches=config.max_branches,
-        bypass=bypass,
-    )
+    problem = knapsack_problem(config, weights, model.spec.num_layers, config.max_branches, bypass)
     frontier = run_knapsack(model, cache, ref_ids, problem, prefix, layer_rows=config.coupled)
     skips = frontier.skips
     if config.coupled:
