@@ -11,7 +11,9 @@ answer when admitted; one that could never fit is refused at `submit`. Where the
 one, the caches are slots of one KV pool (pipeline/model/kv_pool.py), so that one attention
 serves every decoding request of a step.
 
-The batcher is pure of threads; `pipeline.decoding.serving` drives it from one.
+Its step is the only draft → verify → accept loop of the house: a request decoded alone is
+a batch of one, and prefilled requests decoded together are adopted into one batch
+(decode.py). The batcher is pure of threads; `pipeline.decoding.serving` drives it from one.
 """
 
 from __future__ import annotations
