@@ -31,7 +31,7 @@ from pipeline.strategies import (  # noqa: F401 (the strategies' names, where us
     REGISTRY,
     SEARCHING_STRATEGIES,
     STRATEGIES,
-    Drafters,
+    DrafterFactory,
     Strategy,
     StrategyConfig,
 )
@@ -85,7 +85,7 @@ class Engine:
         self.hf = HFReference(self.path, self.device, self.mode, self.tokenizer.pad_token_id)
         self._latency = config.latency
         self._calibrator = calibrator
-        self.drafters = Drafters(self.model.spec, lambda: self.latency)
+        self.drafters = DrafterFactory(self.model.spec, lambda: self.latency)
         self._calibrated = False  # the latency table came from the calibrator (its corrections are ours to record)
         self._step_cost = DeviceStepCost(self._record_step_cost)
         logger.info("Loaded %s (%d layers) in %s mode", self.path.name, self.model.spec.num_layers, self.mode.value)

@@ -1,7 +1,7 @@
 """The decoding strategies: a registry of how each builds a request's drafter, and its defaults.
 
 Plain decoding, a fixed skip set, prompt lookup, KnapSpec and its hybrid, the baselines, and
-transformers' `generate()` as the outside reference. `Drafters` builds a request's drafter of
+transformers' `generate()` as the outside reference. `DrafterFactory` builds a request's drafter of
 a strategy and holds what a strategy's drafters share on one engine: what earlier searches
 concluded, and the planner of their batches.
 """
@@ -31,18 +31,18 @@ class Strategy:
     description: str
     max_draft: int  # longest draft per step unless the caller says otherwise
     # (drafters, strategy config) -> the request's drafter; None: transformers generate() decodes.
-    build: Callable[[Drafters, StrategyConfig], Drafter] | None
+    build: Callable[[DrafterFactory, StrategyConfig], Drafter] | None
     searching: bool = False  # plans its drafts from the latency model (needs a calibration)
 
 
-def _static(drafters: Drafters, strategy: StrategyConfig) -> Drafter:
+def _static(drafters: DrafterFactory, strategy: StrategyConfig) -> Drafter:
     spec = drafters.spec
     skip = strategy.skip if strategy.skip is not None else default_static_skip(spec.num_layers)
     return LayerSkipDrafter(skip, spec.num_items, max_draft=strategy.max_draft)
 
 
-def _knapspec(coupled: bool) -> Callable[[Drafters, StrategyConfig], Drafter]:
-    def build(drafters: Drafters, strategy: StrategyConfig) -> Drafter:
+def _knapspec(coupled: bool) -> Callable[[DrafterFactory, StrategyConfig], Drafter]:
+    def build(drafters: DrafterFactory, strategy: StrategyConfig) -> Drafter:
         config = KnapSpecConfig(max_draft=strategy.max_draft, coupled=coupled)
         history, planner = drafters.history(strategy.name), drafters.planner(strategy.name, config)
         return KnapSpecDrafter(drafters.latency, config, history, planner)
@@ -50,14 +50,14 @@ def _knapspec(coupled: bool) -> Callable[[Drafters, StrategyConfig], Drafter]:
     return build
 
 
-def _knapspec_lookup(drafters: Drafters, strategy: StrategyConfig) -> Drafter:
+def _knapspec_lookup(drafters: DrafterFactory, strategy: StrategyConfig) -> Drafter:
     config = KnapSpecConfig(max_draft=strategy.max_draft)
     history, planner = drafters.history(strategy.name), drafters.planner(strategy.name, config)
     return KnapSpecLookupDrafter(drafters.latency, config, PromptLookupDrafter(), history, planner)
 
 
-def _baseline(cls: type) -> Callable[[Drafters, StrategyConfig], Drafter]:
-    def build(drafters: Drafters, strategy: StrategyConfig) -> Drafter:
+def _baseline(cls: type) -> Callable[[DrafterFactory, StrategyConfig], Drafter]:
+    def build(drafters: DrafterFactory, strategy: StrategyConfig) -> Drafter:
         return cls(drafters.latency, KnapSpecConfig(max_draft=strategy.max_draft))
 
     return build
@@ -123,7 +123,7 @@ class StrategyConfig:
         return REGISTRY[self.name].build is not None
 
 
-class Drafters:
+class DrafterFactory:
     """Each request's drafter of a strategy, for one engine's model. `latency` gives the
     searching strategies' latency model when one is first needed (calibrating, perhaps)."""
 
