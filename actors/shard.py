@@ -39,7 +39,7 @@ MAX_RESTARTS = 2
 # A collective that waits longer than this on a rank has lost that rank.
 TENSOR_PARALLEL_TIMEOUT_S = 60.0
 # Methods that run collectives: every rank of a group must run them, in the same order.
-_COLLECTIVE_METHODS = frozenset({"forward", "forward_batch", "run_item_branches", "knapsack_rows"})
+_COLLECTIVE_METHODS = frozenset({"forward", "run_item_branches", "knapsack_rows"})
 # Methods that change per-request state every rank keeps.
 _STATE_METHODS = frozenset({"new_cache", "free", "copy_cache"})
 
@@ -144,7 +144,7 @@ class TensorParallelLink(RayLink):
 
 
 _STAGE_METHODS = (
-    "forward", "forward_batch", "new_cache", "free", "copy_cache", "embed_tokens", "logits",
+    "forward", "new_cache", "free", "copy_cache", "embed_tokens", "logits",
     "run_item_branches", "knapsack_rows", "echo",
 )
 

@@ -424,9 +424,11 @@ def verify_costs(engine: Engine, prompt_ids: torch.Tensor, rounds: int = 9) -> d
                     layer.qkv(x), layer.o(heads), layer.gate_up(x), layer.down(inner)
                 model.lm_head(x)
 
-        def attention(q=q, kv=kv) -> None:
-            for i in range(s.num_layers):
-                model.attend(i, q, kv, kv, cache, cache.length)
+        def attention(q=q[None], kv=kv[None], k=k) -> None:
+            with torch.inference_mode():
+                rows = model.rows([(cache, cache.length, k)]).attention
+                for i in range(s.num_layers):
+                    model.attention(i, q, kv, kv, rows)
 
         jobs[("linears", k)], jobs[("attention", k)] = linears, attention
     times: dict = {key: [] for key in jobs}

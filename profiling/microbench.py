@@ -81,10 +81,13 @@ def measure(
     token_ids = torch.randint(spec.vocab_size, (max_verify,), generator=generator, device=device)  # [max_verify]
 
     def sweep(item_of: Callable[[int], int], n: int) -> Callable[[], None]:
+        # The rows' set-up (positions, masks) made once, as a forward makes it once for all its items.
+        rows = model.rows([(cache, n, 1)])
+
         # The same input for every layer: chaining outputs would let values drift over rounds.
         def run() -> None:
             for layer in range(num_layers):
-                model.run_item(item_of(layer), h, cache, n)
+                model.run_item(item_of(layer), h, rows)
 
         return run
 

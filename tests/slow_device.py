@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from pipeline.model.attention import Attention
 from pipeline.model.sublayer_model import SublayerModel
 from profiling import record
 
@@ -40,24 +41,25 @@ def _delayed(call, delay_s: float):
 
 
 def slow_down(model: SublayerModel, delay_s: float, sublayers: tuple[str, ...] = ("attention", "mlp")) -> None:
-    """Make every call of `model`'s `sublayers` wait `delay_s` first. A batched forward runs its
-    attention outside `_attention` (one request's forward, a draft's or a search's, through it):
-    slowing the MLPs alone slows every forward alike."""
+    """Make every call of `model`'s `sublayers` ("attention": its one attention entry point,
+    "mlp") wait `delay_s` first: every forward, a batch's, a draft's or a search's, alike."""
     if delay_s <= 0:
         return
-    for name in sublayers:
-        setattr(model, f"_{name}", _delayed(getattr(model, f"_{name}"), delay_s))
+    if "attention" in sublayers:
+        model.attention = _delayed(model.attention, delay_s)
+    if "mlp" in sublayers:
+        model._mlp = _delayed(model._mlp, delay_s)
 
 
 def _slow_everything(delay_s: float) -> dict:
     """Slow every SublayerModel and rename the CPU; returns what was replaced, to restore it."""
     replaced = {
-        (SublayerModel, "_attention"): SublayerModel._attention,
+        (Attention, "__call__"): Attention.__call__,
         (SublayerModel, "_mlp"): SublayerModel._mlp,
         (record, "cpu_model_name"): record.cpu_model_name,
     }
     cpu_model_name = record.cpu_model_name
-    SublayerModel._attention = _delayed(SublayerModel._attention, delay_s)
+    Attention.__call__ = _delayed(Attention.__call__, delay_s)
     SublayerModel._mlp = _delayed(SublayerModel._mlp, delay_s)
     record.cpu_model_name = lambda *args: f"{cpu_model_name(*args)} (slowed {delay_s * 1e3:g} ms per sublayer)"
     return replaced

@@ -38,8 +38,9 @@ from pipeline.decoding.loop import (
 )
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.errors import ConfigError
+from pipeline.model.decoder import DecoderModel
 from pipeline.model.kv_cache import KVCache
-from pipeline.model.kv_pool import KVPool, PooledCache
+from pipeline.model.kv_pool import KVPool
 from pipeline.model.packing import RequestRows
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class _Prefilling:
     seconds: float = 0.0  # time of the forwards that carried its chunks
 
 
-def kv_bytes_per_position(model) -> int:
+def kv_bytes_per_position(model: DecoderModel) -> int:
     """Bytes one cache position takes: keys and values of every layer."""
     s = model.spec
     return 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.empty(0, dtype=model.dtype).element_size()
@@ -103,7 +104,7 @@ class ContinuousBatcher:
 
     def __init__(
         self,
-        model,
+        model: DecoderModel,
         max_batch: int,
         kv_budget_bytes: int | None = None,
         prefill_chunk: int | None = None,
@@ -116,8 +117,6 @@ class ContinuousBatcher:
         `step_log`, if given, gets a StepRecord of every step that verified and carried no prompt."""
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
-        if not hasattr(model, "forward_batch"):
-            raise ConfigError(f"{type(model).__name__} has no batched forward; decode its requests one at a time")
         self.model = model
         self.max_batch = max_batch
         self.position_bytes = kv_bytes_per_position(model)
@@ -315,12 +314,10 @@ class ContinuousBatcher:
         """A slot of the batch's KV pool where the model has one and the pool fits the budget
         (its slots are as long as the longest request yet, in steps of POOL_STEP); else a cache
         of its own."""
-        if not hasattr(self.model, "new_pool"):
-            return self.model.new_cache(positions)
         capacity = min(-(-positions // POOL_STEP) * POOL_STEP, self.model.max_context)
         if self.pool is None:
             if self.max_batch * capacity * self.position_bytes <= self.kv_budget_bytes:
-                self.pool = self.model.new_pool(self.max_batch, capacity)
+                self.pool = self.model.new_pool(self.max_batch, capacity)  # None: caches live elsewhere
         elif capacity > self.pool.slot_capacity and self.pool.bytes_for(capacity) > self.kv_budget_bytes:
             return self.model.new_cache(positions)
         return self.pool.acquire(positions) if self.pool is not None else self.model.new_cache(positions)
@@ -387,10 +384,5 @@ class ContinuousBatcher:
         self._release(cache, scrub)
 
     def _release(self, cache, scrub: bool = False) -> None:
-        if isinstance(cache, PooledCache):
-            cache.pool.release(cache, scrub=scrub)
-            return
-        # A model whose caches live elsewhere (pipeline stages) frees them when told.
-        release = getattr(self.model, "release", None)
-        if release is not None and cache is not None:
-            release(cache)
+        if cache is not None:
+            self.model.release(cache, scrub)

@@ -14,7 +14,42 @@ import torch
 from pipeline.errors import KnapSpecError
 
 
-class KVCache:
+class CacheOverflow(KnapSpecError):
+    """A forward or a commit would pass the positions a request's cache was allocated for."""
+
+
+class CachePositions:
+    """What every cache of a request shares, wherever its tensors live (a `KVCache` here, a
+    `PipelineCache` over pipeline stages): a committed `length` and room for `capacity` positions."""
+
+    length: int
+
+    @property
+    def capacity(self) -> int:
+        raise NotImplementedError
+
+    def check_room(self, end: int) -> None:
+        if end > self.capacity:
+            raise CacheOverflow(
+                f"KV cache overflow: position {end} is past its capacity {self.capacity}; "
+                "allocate the cache for prompt + max_new_tokens + the longest draft"
+            )
+
+    def advance(self, num_tokens: int) -> None:
+        self.commit(self.length + num_tokens)
+
+    def commit(self, length: int) -> None:
+        self.check_room(length)
+        self.length = length
+
+    def crop(self, length: int) -> None:
+        """Roll the committed length back to `length` (the rest becomes scratch space)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
+        self.length = length
+
+
+class KVCache(CachePositions):
     def __init__(
         self,
         num_layers: int,
@@ -39,13 +74,6 @@ class KVCache:
     def num_layers(self) -> int:
         return self.keys.shape[0]
 
-    def check_room(self, end: int) -> None:
-        if end > self.capacity:
-            raise KnapSpecError(
-                f"KV cache overflow: position {end} is past its capacity {self.capacity}; "
-                "allocate the cache for prompt + max_new_tokens + the longest draft"
-            )
-
     def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store keys/values [kv_heads, T, head_dim] at positions [start, start + T)."""
         # narrow + copy_, not slice assignment: Python's indexing costs more than the copy of a decode row.
@@ -55,19 +83,6 @@ class KVCache:
     def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [0, end): two [kv_heads, end, head_dim] views."""
         return self.keys[layer].narrow(1, 0, end), self.values[layer].narrow(1, 0, end)
-
-    def advance(self, num_tokens: int) -> None:
-        self.commit(self.length + num_tokens)
-
-    def commit(self, length: int) -> None:
-        self.check_room(length)
-        self.length = length
-
-    def crop(self, length: int) -> None:
-        """Roll the committed length back to `length` (the rest becomes scratch space)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
-        self.length = length
 
     def copy(self) -> KVCache:
         """An independent copy (e.g. to give each benchmark repeat the same prefilled cache)."""

@@ -15,6 +15,7 @@ from pipeline.errors import ConfigError
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.kv_pool import KVPool, PooledCache
 from pipeline.model.layers import aligned_keys
+from pipeline.model.linear import Linear
 
 
 @dataclass(frozen=True)
@@ -174,3 +175,15 @@ def kernel_ranges(sizes: Sequence[int], max_packed_rows: int) -> list[tuple[int,
             ranges.append((at, at + n, packed))
         at += n
     return ranges
+
+
+def ranged_linear(linear: Linear, x: torch.Tensor, ranges: list[tuple[int, int, bool]] | None) -> torch.Tensor:
+    """`linear` over packed rows, each range with its kernel (kernel_ranges; None: by row count)."""
+    if ranges is None:
+        return linear(x)
+    if len(ranges) == 1:
+        return linear(x, ranges[0][2])
+    out = x.new_empty(x.shape[0], linear.out_features)
+    for a, e, packed in ranges:
+        linear(x[a:e], packed, out[a:e])
+    return out

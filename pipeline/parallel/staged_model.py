@@ -5,15 +5,16 @@ embeddings, the last stage also the final norm and LM head (pipeline/parallel/la
 — built from only those tensors, holding the KV caches of the requests it serves. It is plain PyTorch; a Ray
 actor (actors/shard.py) places it on a device.
 
-`PipelineModel` presents a list of stages with the interface of `SublayerModel` that
-`decoding.decode`, the drafters and the KnapSpec search use (forward, prefill, logits,
-embed_tokens, run_item_branches, new_cache), so every strategy runs over a pipeline
-unchanged and produces the same tokens. Only token ids and hidden states cross stages.
+`PipelineModel` presents a list of stages as a `DecoderModel` (pipeline/model/decoder.py),
+the interface the decoding loop, the drafters and the KnapSpec search use, so every
+strategy runs over a pipeline unchanged and produces the same tokens. Only token ids and hidden states cross stages.
 A stage whose items a draft skips entirely (and that holds neither the embeddings nor
 the head) is bypassed: no hop.
 
-Stages are reached through links (pipeline/parallel/links.py). `forward_batch` sends the
-packed rows of several requests from stage to stage as one tensor, for continuous batching.
+Stages are reached through links (pipeline/parallel/links.py). A forward sends the packed
+rows of its requests from stage to stage as one tensor; a stage has one forward, and the
+pipeline one loop over its stages (`PipelineModel._run_stages`), which `forward` (one
+request) and `forward_batch` share.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pipeline.knapspec.knapsack import Frontier, KnapsackProblem, advance, branc
 from pipeline.knapspec.latency import LatencyModel, PipelineLatency
 from pipeline.model import checkpoint
 from pipeline.model.context import check_context, prefill_in_chunks
-from pipeline.model.kv_cache import KVCache
+from pipeline.model.kv_cache import CachePositions, KVCache
 from pipeline.model.linear import ComputeMode
 from pipeline.model.packing import RequestRows, check_logit_choices
 from pipeline.model.spec import ModelSpec
@@ -95,42 +96,25 @@ class StageModel:
 
     def forward(
         self,
-        request_id: str,
-        inputs: torch.Tensor,
-        start: int,
-        skip: Collection[int] = (),
-        logits: str = "none",
-        return_hidden: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Token ids (stage 0) or the residual stream [T, d] in; out the residual stream, or
-        the logits when this stage has the head and `logits` is not "none"; and, when asked,
-        the residual stream after each of this stage's items [2 * layers, T, d]."""
-        local_skip = {self.layout.local_item(item) for item in skip if item in self.layout.items}
-        h = self.local.embed_tokens(inputs) if self.layout.has_embeddings else inputs
-        h, hidden = self.local.run_layers(self.caches[request_id], h, start, local_skip, return_hidden)
-        if self.layout.has_head and logits != "none":
-            return self.local.logits(h[-1:] if logits == "last" else h), hidden
-        return h, hidden
-
-    def forward_batch(
-        self,
         request_ids: Sequence[str],
         inputs: torch.Tensor,
         starts: Sequence[int],
         sizes: Sequence[int],
         skip: Collection[int],
         logits: Sequence[str] | None,
-    ) -> torch.Tensor | list[torch.Tensor | None]:
-        """Several requests' packed rows: token ids (stage 0) or the residual stream [M, d] in;
-        out the residual stream, or on the last stage each request's logits (`logits`: each
-        one's choice; None on the other stages)."""
+        return_hidden: bool = False,
+    ) -> tuple[torch.Tensor | list[torch.Tensor | None], torch.Tensor | None]:
+        """The packed rows of one or more requests: token ids (stage 0) or the residual stream
+        [M, d] in; out the residual stream, or on the last stage each request's logits (`logits`:
+        each one's choice; None on the other stages); and, when asked, the residual stream after
+        each of this stage's items [2 * layers, M, d]."""
         local_skip = {self.layout.local_item(item) for item in skip if item in self.layout.items}
         h = self.local.embed_tokens(inputs) if self.layout.has_embeddings else inputs
         spans = [(self.caches[r], start, n) for r, start, n in zip(request_ids, starts, sizes)]
-        h = self.local.run_layers_batch(spans, h, local_skip)
+        h, hidden = self.local.run_layers(spans, h, local_skip, return_hidden)
         if self.layout.has_head and logits is not None:
-            return self.local.batch_logits(h, logits, sizes)
-        return h
+            return self.local.batch_logits(h, logits, sizes), hidden
+        return h, hidden
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.local.embed_tokens(token_ids)
@@ -192,7 +176,7 @@ def _local_view(config, spec: ModelSpec, layout: StageLayout, tensors: dict[str,
 # ---------------------------------------------------------------------------- pipeline
 
 
-class PipelineCache:
+class PipelineCache(CachePositions):
     """A request's KV cache spread over the stages; the committed length is kept here.
 
     Stages write keys/values at the positions a forward names, so only the coordinator
@@ -202,22 +186,13 @@ class PipelineCache:
 
     def __init__(self, pipeline: PipelineModel, capacity: int, request_id: str | None = None) -> None:
         self.pipeline = pipeline
-        self.capacity = capacity
+        self._capacity = capacity
         self.length = 0
         self.request_id = request_id or f"req-{next(self._ids)}"
 
-    def check_room(self, end: int) -> None:
-        if end > self.capacity:
-            raise ConfigError(f"KV cache of {self.capacity} positions has no room up to {end}")
-
-    def advance(self, num_tokens: int) -> None:
-        self.length += num_tokens
-
-    def commit(self, length: int) -> None:
-        self.length = length
-
-    def crop(self, length: int) -> None:
-        self.length = min(self.length, length)
+    @property
+    def capacity(self) -> int:
+        return self._capacity
 
     def copy(self) -> PipelineCache:
         twin = PipelineCache(self.pipeline, self.capacity)
@@ -229,7 +204,7 @@ class PipelineCache:
 
 
 class PipelineModel:
-    """Stages behind the SublayerModel interface the decoding loop and drafters use."""
+    """Stages behind the interface the decoding loop and drafters use (model.decoder.DecoderModel)."""
 
     def __init__(
         self,
@@ -278,8 +253,12 @@ class PipelineModel:
             self._live.ids = set()
         self._live.ids.add(request_id)
 
-    def release(self, cache: PipelineCache) -> None:
-        """Drop one request's caches on every stage (a batch frees each request as it leaves)."""
+    def new_pool(self, num_slots: int, slot_capacity: int) -> None:
+        """None: a pipeline's caches live on its stages, each request's its own."""
+
+    def release(self, cache: PipelineCache, scrub: bool = False) -> None:
+        """Drop one request's caches on every stage (a batch frees each request as it leaves;
+        a fresh cache is allocated zeroed, so there is nothing to scrub)."""
         for link in self.links:
             link.call("free", cache.request_id)
         getattr(self._live, "ids", set()).discard(cache.request_id)
@@ -301,30 +280,9 @@ class PipelineModel:
         logits: str = "all",
         return_hidden: bool = False,
     ) -> ForwardOutput:
-        cache.check_room(start + token_ids.shape[0])
-        skip = frozenset(skip)
-        x: Any = token_ids
-        hidden_parts: list[Any] = []
-        last = len(self.links) - 1
-        for k, (link, layout) in enumerate(zip(self.links, self.layouts)):
-            bypass = 0 < k < last and all(item in skip for item in layout.items) and not return_hidden
-            if bypass:
-                continue
-            x, hidden = link.call(
-                "forward", cache.request_id, x, start, skip, logits if k == last else "none", return_hidden,
-                num_returns=2,
-            )
-            if k > 0:
-                self.hops += 1
-            if return_hidden:
-                hidden_parts.append(hidden)
-        out = self.links[-1].get(x)
-        hidden_states = None
-        if return_hidden:
-            parts = [link.get(part) for link, part in zip(self.links, hidden_parts)]
-            embedded = self.embed_tokens(token_ids)
-            hidden_states = torch.cat([embedded[None], *parts])
-        return ForwardOutput(logits=out if logits != "none" else None, hidden_states=hidden_states)
+        """SublayerModel.forward over the stages: `forward_batch` of one request."""
+        out, hidden = self._run_stages([RequestRows(cache, token_ids, start)], skip, logits, return_hidden)
+        return ForwardOutput(logits=out[0], hidden_states=hidden)
 
     @torch.inference_mode()
     def forward_batch(
@@ -332,6 +290,14 @@ class PipelineModel:
     ) -> list[torch.Tensor | None]:
         """SublayerModel.forward_batch over the stages: the packed rows of every request go from
         stage to stage as one tensor, each stage attending per request over its own caches."""
+        return self._run_stages(blocks, skip, logits)[0]
+
+    def _run_stages(
+        self, blocks: Sequence[RequestRows], skip: Collection[int], logits: str, return_hidden: bool = False
+    ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+        """The forward itself, stage after stage: a stage whose items the draft skips entirely
+        (and that holds neither the embeddings nor the head) is bypassed, no hop, unless the
+        residual stream after every item is asked for."""
         wanted = check_logit_choices(blocks, logits)
         sizes = [block.token_ids.shape[0] for block in blocks]
         for block, size in zip(blocks, sizes):
@@ -339,15 +305,24 @@ class PipelineModel:
         ids = [block.cache.request_id for block in blocks]
         starts = [block.start for block in blocks]
         skip = frozenset(skip)
-        x: Any = torch.cat([block.token_ids for block in blocks])
+        token_ids = torch.cat([block.token_ids for block in blocks])
+        x: Any = token_ids
+        parts: list[Any] = []
         last = len(self.links) - 1
         for k, (link, layout) in enumerate(zip(self.links, self.layouts)):
-            if 0 < k < last and all(item in skip for item in layout.items):
-                continue  # a stage the draft skips entirely: no hop
-            x = link.call("forward_batch", ids, x, starts, sizes, skip, wanted if k == last else None)
+            if 0 < k < last and not return_hidden and all(item in skip for item in layout.items):
+                continue
+            x, hidden = link.call(
+                "forward", ids, x, starts, sizes, skip, wanted if k == last else None, return_hidden, num_returns=2
+            )
             if k > 0:
                 self.hops += 1
-        return self.links[-1].get(x)
+            parts.append(hidden)
+        out = self.links[-1].get(x)
+        if not return_hidden:
+            return out, None
+        hidden = [link.get(part) for link, part in zip(self.links, parts)]
+        return out, torch.cat([self.embed_tokens(token_ids)[None], *hidden])
 
     @torch.inference_mode()
     def prefill(self, cache: PipelineCache, token_ids: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
