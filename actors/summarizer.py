@@ -114,6 +114,8 @@ class Summarizer:
             device=config.device,
             cache_dir=config.cache_dir,
             calibration_dir=config.calibration_dir,
+            # KV slots as long as the longest request the job sends (a chunk's prompt and the longest answer).
+            kv_slot_positions=config.max_chunk_tokens + _longest_answer(config),
         )
         self.pool = ReplicaPool(config.replicas, engine, StrategyConfig(name=config.strategy), resources)
         self.progress_name = f"knapspec-progress-{uuid.uuid4().hex[:12]}"

@@ -234,7 +234,8 @@ def greedy_equality(device: torch.device) -> dict:
     prompts = [torch.cat([torch.randint(3, config.vocab_size, (n,), generator=generator), phrase, phrase]) for n in
                (30, 200, 75, 500, 12, 140)]  # fmt: skip
     limits = [40, 25, 60, 30, 50, 20]
-    batcher = ContinuousBatcher(model, max_batch=4, prefill_chunk=64)
+    longest = max(p.numel() + m for p, m in zip(prompts, limits))
+    batcher = ContinuousBatcher(model, max_batch=4, prefill_chunk=64, slot_positions=longest)
     tickets = [
         batcher.submit(
             GenerationRequest(p, DecodeConfig(m), SamplingParams(), PromptLookupDrafter() if i % 2 else None)

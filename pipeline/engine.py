@@ -59,8 +59,11 @@ class EngineConfig:
     latency: LatencyModel | None = None
     # Where calibrations are stored; read by whoever builds the engine's calibrator.
     calibration_dir: Path | None = None
-    # What a batch's KV caches may take together; None: `max_batch` caches at the whole context.
+    # A batch's KV memory (decoding/kv_room.py): what its caches take together (None: on a GPU,
+    # most of its free memory; else room for `max_batch` of the longest request), and that
+    # longest request, prompt and answer, in positions (None: the model's whole context).
     kv_cache_bytes: int | None = None
+    kv_slot_positions: int | None = None
 
 
 class Engine:
@@ -152,12 +155,16 @@ class Engine:
             max_new_tokens, self.eos_token_ids, None if after is None else SentenceStop(self.sentences, after)
         )
 
-    def batcher(self, max_batch: int) -> ContinuousBatcher:
-        """A continuous batcher over this engine's model (`submit` the engine's `request`s). A
-        whole model's batchers run one at a time and share one fit of the device's step cost; a
-        pipelined replica's lanes step concurrently and fit their own."""
+    def batcher(self, max_batch: int, slot_positions: int | None = None) -> ContinuousBatcher:
+        """A continuous batcher over this engine's model (`submit` the engine's `request`s), its
+        KV pool made once at its first admission; `slot_positions`: the longest request it serves,
+        where the config does not say. A whole model's batchers run one at a time and share one fit of the
+        device's step cost; a pipelined replica's lanes step concurrently and fit their own."""
         budget = self._step_cost.budget() if isinstance(self.model, SublayerModel) else None
-        return ContinuousBatcher(self.model, max_batch, self.config.kv_cache_bytes, budget=budget)
+        slot_positions = self.config.kv_slot_positions or slot_positions
+        return ContinuousBatcher(
+            self.model, max_batch, self.config.kv_cache_bytes, budget=budget, slot_positions=slot_positions
+        )
 
     @property
     def step_cost(self) -> DeviceStepCost:
@@ -179,8 +186,10 @@ class Engine:
             raise ConfigError(f"{len(prompts)} prompts but {len(per_request)} sampling settings")
         if not strategy.ours:
             return self._generate_hf_batches(prompts, strategy, max_new_tokens, per_request, max_batch)
-        batcher = self.batcher(max_batch)
-        tickets = [batcher.submit(self.request(p, strategy, max_new_tokens, q)) for p, q in zip(prompts, per_request)]
+        requests = [self.request(p, strategy, max_new_tokens, q) for p, q in zip(prompts, per_request)]
+        # Slots as long as this batch's longest request, unless the config says how long.
+        batcher = self.batcher(max_batch, max((r.positions for r in requests), default=None))
+        tickets = [batcher.submit(request) for request in requests]
         done = {finished.ticket: finished for finished in batcher.run()}
         self._step_cost.flush()
         for ticket in tickets:

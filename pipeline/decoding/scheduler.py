@@ -6,10 +6,9 @@ verify rows of every running request (its pending token and its own draft, of it
 length or none) and, when a request is being prefilled, the next chunk of its prompt. So a
 running request never waits more than one chunk for a long prompt, and a prompt's rows
 share the linears with the decode rows. Admission is first come, first served, up to
-`max_batch` requests and a KV-memory budget: each request is counted at its prompt and
-answer when admitted; one that could never fit is refused at `submit`. Where the model has
-one, the caches are slots of one KV pool (pipeline/model/kv_pool.py), so that one attention
-serves every decoding request of a step.
+`max_batch` requests and the batch's KV room (kv_room.py): where the model pools its
+caches, a free slot of one KV pool made once and never reallocated, so that one attention
+serves every decoding request of a step; one that could never fit is refused at `submit`.
 
 Its step is the only draft → verify → accept loop of the house: a request decoded alone is
 a batch of one, and prefilled requests decoded together are adopted into one batch
@@ -28,6 +27,7 @@ import torch
 from pipeline.decoding.batch_drafts import DraftBudget, pooled
 from pipeline.decoding.drafters import Drafter
 from pipeline.decoding.isolation import forward_isolating
+from pipeline.decoding.kv_room import KVRoom
 from pipeline.decoding.loop import (
     DecodeConfig,
     DecodingRequest,
@@ -44,11 +44,6 @@ from pipeline.model.kv_pool import KVPool
 from pipeline.model.packing import RequestRows
 
 logger = logging.getLogger(__name__)
-
-# KV pool slots grow in steps of this many positions: requests of about one length share a
-# slot size without a regrowth for every few tokens more.
-POOL_STEP = 256
-
 
 @dataclass
 class GenerationRequest:
@@ -93,12 +88,6 @@ class _Prefilling:
     seconds: float = 0.0  # time of the forwards that carried its chunks
 
 
-def kv_bytes_per_position(model: DecoderModel) -> int:
-    """Bytes one cache position takes: keys and values of every layer."""
-    s = model.spec
-    return 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.empty(0, dtype=model.dtype).element_size()
-
-
 class ContinuousBatcher:
     """Up to `max_batch` requests in one batch; `step` advances all of them by one forward."""
 
@@ -110,32 +99,27 @@ class ContinuousBatcher:
         prefill_chunk: int | None = None,
         budget: DraftBudget | None = None,
         step_log: list[StepRecord] | None = None,
+        slot_positions: int | None = None,
     ) -> None:
-        """`kv_budget_bytes`: what all caches together may take (None: `max_batch` caches at the
-        model's whole context). `prefill_chunk`: prompt rows per step (None: the model's).
-        `budget`: the draft budget and step-cost fit (None: the batcher's own, from the table).
-        `step_log`, if given, gets a StepRecord of every step that verified and carried no prompt."""
+        """`kv_budget_bytes`, `slot_positions`: what the batch's caches may take together, and the
+        longest request (prompt and answer) it serves (kv_room.KVRoom). `prefill_chunk`: prompt
+        rows per step (None: the model's). `budget`: the draft budget and step-cost fit (None: the
+        batcher's own, from the table). `step_log`, if given, gets a StepRecord of every step that
+        verified and carried no prompt."""
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
         self.model = model
         self.max_batch = max_batch
-        self.position_bytes = kv_bytes_per_position(model)
-        if kv_budget_bytes is None:
-            kv_budget_bytes = max_batch * model.max_context * self.position_bytes
-        if kv_budget_bytes < self.position_bytes:
-            raise ConfigError(f"a KV budget of {kv_budget_bytes} bytes holds not one cache position")
-        self.kv_budget_bytes = kv_budget_bytes
+        self.room = KVRoom(model, max_batch, kv_budget_bytes, slot_positions)
         self.prefill_chunk = prefill_chunk or model.prefill_chunk
         self.waiting: collections.deque[tuple[int, GenerationRequest]] = collections.deque()
         self.prefilling: collections.deque[_Prefilling] = collections.deque()
         self.running: dict[int, DecodingRequest] = {}
-        self._reserved: dict[int, int] = {}  # ticket -> bytes of its cache
         self._tickets = iter(range(1 << 62))
         self.steps = 0
         self._finished_early: list[Finished] = []  # adopted requests that had ended already
         # How much of each draft pays in the batch, learning its step cost.
         self.budget = budget if budget is not None else DraftBudget()
-        self.pool: KVPool | None = None  # made at the first admission
         self.step_log = step_log
 
     # --------------------------------------------------------------- intake
@@ -149,12 +133,7 @@ class ContinuousBatcher:
                 f"{request.prompt_ids.numel()} prompt tokens + {request.config.max_new_tokens} new tokens exceed "
                 f"this model's {self.model.max_context}-token context; shorten the prompt or lower max_new_tokens"
             )
-        needed = request.positions * self.position_bytes
-        if needed > self.kv_budget_bytes:
-            raise ConfigError(
-                f"a request of {request.positions} positions needs {needed / 2**20:.1f} MiB of KV cache, more than "
-                f"the whole budget of {self.kv_budget_bytes / 2**20:.1f} MiB; raise the KV budget or shorten the request"
-            )
+        self.room.check(request.positions)
 
     def submit(self, request: GenerationRequest) -> int:
         """Queue a request; returns its ticket. Raises ConfigError if it could never run."""
@@ -173,7 +152,7 @@ class ContinuousBatcher:
         if not request.running:  # its first token ended it
             self._finished_early.append(self._finish(ticket, request))
             return ticket
-        self._reserved[ticket] = request.cache.capacity * self.position_bytes
+        self.room.hold(ticket, request.cache)
         self.running[ticket] = request
         return ticket
 
@@ -184,7 +163,12 @@ class ContinuousBatcher:
 
     @property
     def reserved_bytes(self) -> int:
-        return sum(self._reserved.values())
+        """What the caches of the batch's requests take (a pool's slot counted whole)."""
+        return self.room.held_bytes
+
+    @property
+    def pool(self) -> KVPool | None:
+        return self.room.pool
 
     # ----------------------------------------------------------------- steps
 
@@ -285,42 +269,28 @@ class ContinuousBatcher:
         self.waiting.clear()
         self.prefilling.clear()
         self.running.clear()
-        self._reserved.clear()
+        self.room.clear()
         for cache in caches:
-            self._release(cache)
+            self.room.give_back(None, cache)
 
     # -------------------------------------------------------------- helpers
 
     def _admit(self) -> list[Finished]:
-        """Move waiting requests into prefill while slots and KV budget allow; one whose cache
-        cannot be made fails alone."""
+        """Move waiting requests into prefill while the batch and the KV room allow; one whose
+        cache cannot be made fails alone."""
         failed = []
         while self.waiting and len(self.running) + len(self.prefilling) < self.max_batch:
             ticket, request = self.waiting[0]
-            needed = request.positions * self.position_bytes
-            if self.reserved_bytes + needed > self.kv_budget_bytes:
+            if not self.room.admits(request.positions):
                 break  # first come, first served: it waits until running requests leave
             self.waiting.popleft()
             try:
-                cache = self._new_cache(request.positions)
+                cache = self.room.take(ticket, request.positions)
             except Exception as e:
                 failed.append(self._fail(ticket, e, what="its admission"))
                 continue
-            self._reserved[ticket] = needed
             self.prefilling.append(_Prefilling(ticket, request, cache))
         return failed
-
-    def _new_cache(self, positions: int):
-        """A slot of the batch's KV pool where the model has one and the pool fits the budget
-        (its slots are as long as the longest request yet, in steps of POOL_STEP); else a cache
-        of its own."""
-        capacity = min(-(-positions // POOL_STEP) * POOL_STEP, self.model.max_context)
-        if self.pool is None:
-            if self.max_batch * capacity * self.position_bytes <= self.kv_budget_bytes:
-                self.pool = self.model.new_pool(self.max_batch, capacity)  # None: caches live elsewhere
-        elif capacity > self.pool.slot_capacity and self.pool.bytes_for(capacity) > self.kv_budget_bytes:
-            return self.model.new_cache(positions)
-        return self.pool.acquire(positions) if self.pool is not None else self.model.new_cache(positions)
 
     def _next_chunk(self, finished: list[Finished]) -> RequestRows | None:
         """The first prefilling request's next prompt chunk (one that fails to make one leaves, into `finished`)."""
@@ -380,9 +350,4 @@ class ContinuousBatcher:
 
     def _leave(self, ticket: int, cache, scrub: bool = False) -> None:
         self.running.pop(ticket, None)
-        self._reserved.pop(ticket, None)
-        self._release(cache, scrub)
-
-    def _release(self, cache, scrub: bool = False) -> None:
-        if cache is not None:
-            self.model.release(cache, scrub)
+        self.room.give_back(ticket, cache, scrub)

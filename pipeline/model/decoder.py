@@ -45,14 +45,15 @@ class DecoderModel(Protocol):
     max_context: int
     device: torch.device
     dtype: torch.dtype  # of its activations, as its caches hold them
+    pooled_caches: bool  # whether a batch's caches can be slots of one pool (new_pool)
 
     @property
     def prefill_chunk(self) -> int: ...
 
     def new_cache(self, capacity: int) -> Cache: ...
 
-    def new_pool(self, num_slots: int, slot_capacity: int) -> KVPool | None:
-        """Caches for a batch as slots of one pool; None where the caches live elsewhere."""
+    def new_pool(self, num_slots: int, slot_capacity: int) -> KVPool:
+        """Caches for a batch as slots of one pool (where `pooled_caches`)."""
         ...
 
     def release(self, cache: Cache, scrub: bool = False) -> None:

@@ -6,7 +6,8 @@ layer's caches of every slot are one strided tensor, and the decode and verify r
 many requests become two batched matmuls over it (`layers.pooled_attention`) instead of
 two per request — on CPU the per-request loop's small operations cost as much as the
 attention itself at a batch of eight. A slot is a `KVCache` whose tensors are views into
-the pool, so everything else (prefill, drafts, the DP) uses it as any cache.
+the pool, so everything else (prefill, drafts, the DP) uses it as any cache. A pool is
+allocated once and never grows: its addresses hold for its life (decoding/kv_room.py).
 """
 
 from __future__ import annotations
@@ -26,12 +27,9 @@ class PooledCache(KVCache):
         # No allocation: the tensors are the pool's (see KVPool.acquire).
         self.pool, self.slot, self._capacity = pool, slot, capacity
         self.length = 0
-        self.point()
-
-    def point(self) -> None:
-        """(Re)take the views of this slot: [layers, kv_heads, slot_capacity, head_dim]."""
-        self.keys = self.pool.keys[:, self.slot]
-        self.values = self.pool.values[:, self.slot]
+        # Views of this slot, [layers, kv_heads, slot_capacity, head_dim]: the pool never moves.
+        self.keys = pool.keys[:, slot]
+        self.values = pool.values[:, slot]
 
     @property
     def capacity(self) -> int:
@@ -79,15 +77,15 @@ class KVPool:
     def nbytes(self) -> int:
         return 2 * self.keys.numel() * self.keys.element_size()
 
-    def bytes_for(self, slot_capacity: int) -> int:
-        """What the pool would take with slots of `slot_capacity` positions."""
-        return self.nbytes // self.slot_capacity * slot_capacity
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
 
     def acquire(self, capacity: int) -> PooledCache:
         if not self._free:
             raise ConfigError(f"all {self.num_slots} slots of the KV pool are taken")
         if capacity > self.slot_capacity:
-            self.grow(capacity)
+            raise ConfigError(f"a cache of {capacity} positions does not fit the pool's slots of {self.slot_capacity}")
         slot = heapq.heappop(self._free)
         cache = PooledCache(self, slot, capacity)
         self.live[slot] = cache
@@ -111,20 +109,6 @@ class KVPool:
                 self.keys[:, cache.slot].zero_()
                 self.values[:, cache.slot].zero_()
             heapq.heappush(self._free, cache.slot)
-
-    def grow(self, slot_capacity: int) -> None:
-        """Larger slots: new tensors, the live caches copied and re-pointed (between forwards only)."""
-        old_capacity = self.slot_capacity
-        shape = (*self.shape[:3], slot_capacity, self.shape[4])
-        # Both made and filled before anything is replaced: an allocation that fails (out of
-        # memory) leaves the pool as it was, and only the request that asked for more fails.
-        keys = torch.zeros(shape, dtype=self.keys.dtype, device=self.keys.device)
-        values = torch.zeros(shape, dtype=self.values.dtype, device=self.values.device)
-        keys[:, :, :, :old_capacity] = self.keys
-        values[:, :, :, :old_capacity] = self.values
-        self.shape, self.keys, self.values = shape, keys, values
-        for cache in self.live.values():
-            cache.point()
 
     def layer(self, index: int, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index`'s keys and values of slots [first, end): two [(end - first) * kv_heads,

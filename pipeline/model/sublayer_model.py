@@ -83,6 +83,7 @@ class SublayerModel:
         # Sums the residual updates of a tensor-parallel group (pipeline/parallel/tensor_parallel.py):
         # with a shard of the heads and MLP columns, o_proj and down_proj give partial sums.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.pooled_caches = True  # a batch's caches are slots of one KVPool
 
     # ----------------------------------------------------------------- loading
 

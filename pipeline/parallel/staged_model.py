@@ -35,6 +35,7 @@ from pipeline.knapspec.latency import LatencyModel, PipelineLatency
 from pipeline.model import checkpoint
 from pipeline.model.context import check_context, prefill_in_chunks
 from pipeline.model.kv_cache import CachePositions, KVCache
+from pipeline.model.kv_pool import KVPool
 from pipeline.model.linear import ComputeMode
 from pipeline.model.packing import RequestRows, check_logit_choices
 from pipeline.model.spec import ModelSpec
@@ -227,6 +228,7 @@ class PipelineModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.hops = 0  # stage-to-stage transfers, for tests and statistics
+        self.pooled_caches = False  # its caches live on the stages (new_pool)
         # Caches made on the stages, per calling thread: a coordinator serving several requests
         # at once (one thread each) frees only those of the request that ended.
         self._live = threading.local()
@@ -253,8 +255,8 @@ class PipelineModel:
             self._live.ids = set()
         self._live.ids.add(request_id)
 
-    def new_pool(self, num_slots: int, slot_capacity: int) -> None:
-        """None: a pipeline's caches live on its stages, each request's its own."""
+    def new_pool(self, num_slots: int, slot_capacity: int) -> KVPool:
+        raise ConfigError("a pipeline's caches live on its stages, each request's its own: it has no pool")
 
     def release(self, cache: PipelineCache, scrub: bool = False) -> None:
         """Drop one request's caches on every stage (a batch frees each request as it leaves;

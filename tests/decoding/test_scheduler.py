@@ -14,7 +14,8 @@ from pipeline.decoding.drafters import LayerSkipDrafter, NoDraft
 from pipeline.decoding.loop import DecodeConfig, Prefilled
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
-from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest, kv_bytes_per_position
+from pipeline.decoding.kv_room import kv_bytes_per_position
+from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest
 from pipeline.decoding.serving import BatchingThread
 from pipeline.errors import ConfigError
 from pipeline.model.linear import fp16w_available
@@ -89,24 +90,34 @@ def test_a_prefill_joining_mid_run_does_not_change_running_requests(tiny_llama):
 def test_kv_budget_admits_what_fits_and_refuses_what_never_can(tiny_llama):
     _, model = load_tiny(tiny_llama)
     per_position = kv_bytes_per_position(model)
-    prompts = [repeating_prompt(n, seed) for seed, n in enumerate((30, 40, 20))]
-    # Room for one 60-position request at a time: the others wait, nothing hangs.
-    batcher = ContinuousBatcher(model, max_batch=3, kv_budget_bytes=80 * per_position)
+    prompts = [repeating_prompt(n, seed) for seed, n in enumerate((30, 40, 20, 35))]
+    # Room for two slots of 80 positions: one request waits for a free slot, nothing hangs.
+    batcher = ContinuousBatcher(model, max_batch=3, kv_budget_bytes=170 * per_position, slot_positions=80)
     tickets = [batcher.submit(GenerationRequest(p, DecodeConfig(12, EOS))) for p in prompts]
-    finished, at_once = [], 0
+    finished, at_once, pools = [], 0, set()
     while batcher.num_requests:
         finished += batcher.step()
         at_once = max(at_once, len(batcher.running) + len(batcher.prefilling))
-        assert batcher.reserved_bytes <= batcher.kv_budget_bytes
-    assert at_once == 1
+        pools.add((id(batcher.pool), batcher.pool.keys.data_ptr(), batcher.pool.values.data_ptr()))
+        assert batcher.reserved_bytes <= batcher.room.budget_bytes
+    assert at_once == 2
+    # One pool for the batch's life, its slots as long as the longest request it serves: never
+    # reallocated, so a captured step could keep its addresses.
+    assert len(pools) == 1 and (batcher.pool.num_slots, batcher.pool.slot_capacity) == (2, 80)
     results = results_by_ticket(finished)
     for ticket, prompt in zip(tickets, prompts):
         assert results[ticket].token_ids == alone(model, prompt, 12)
 
-    with pytest.raises(ConfigError, match="more than the whole budget"):
-        batcher.submit(GenerationRequest(repeating_prompt(100, 3), DecodeConfig(12)))
+    # A prompt of 100 tokens and 12 new do not fit a slot of 80: refused at once, with both sizes and the budget.
+    too_long = GenerationRequest(repeating_prompt(100, 3), DecodeConfig(12))
+    with pytest.raises(
+        ConfigError, match=rf"{too_long.positions} positions .* slots of 80 positions \(2 slots, .* budget\)"
+    ):
+        batcher.submit(too_long)
     with pytest.raises(ConfigError, match="context"):
         ContinuousBatcher(model, 2).submit(GenerationRequest(repeating_prompt(600, 3), DecodeConfig(12)))
+    with pytest.raises(ConfigError, match=r"holds not one slot of 80 positions"):
+        ContinuousBatcher(model, 2, kv_budget_bytes=63 * per_position, slot_positions=80)
     assert batcher.num_requests == 0
 
 

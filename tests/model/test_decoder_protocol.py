@@ -8,6 +8,7 @@ import inspect
 import pytest
 import torch
 
+from pipeline.errors import ConfigError
 from pipeline.model.decoder import Cache, DecoderModel
 from pipeline.model.kv_cache import CacheOverflow
 from pipeline.model.linear import ComputeMode
@@ -61,7 +62,10 @@ def test_both_models_and_their_caches_satisfy_the_protocols_and_agree(models):
         model.release(cache)
     for got, expected in zip(results[1], results[0]):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert whole.new_pool(2, 8) is not None and pipeline.new_pool(2, 8) is None
+    assert whole.pooled_caches and whole.new_pool(2, 8).num_free == 2
+    assert not pipeline.pooled_caches
+    with pytest.raises(ConfigError, match="no pool"):
+        pipeline.new_pool(2, 8)
 
 
 def test_every_cache_overflows_and_crops_alike(models):
