@@ -256,8 +256,6 @@ def run_batch(
         )
         for p, f in zip(prompts, prefilled)
     ]
-    drafters = engine.drafters
-    searched, postponed = drafters.num_batch_searches(strategy), drafters.num_batch_postponed(strategy)
     started, steps = time.perf_counter(), []
     # The engine's step-cost fit, shared by its batches as a replica's are (a request alone plans from it).
     budget = engine.step_cost.budget()
@@ -267,10 +265,16 @@ def run_batch(
     results = decode_requests(engine.model, requests, budget, steps)
     decode_s = time.perf_counter() - started
     _report_step_errors(results, budget, seen_before, changes_before)
-    new = drafters.num_batch_searches(strategy) - searched
-    searches = drafters.batch_searches(strategy)[-new:] if new else []
-    postponed = drafters.num_batch_postponed(strategy) - postponed
+    searches, postponed = batch_plan_figures(results)
     return BatchRun(results, decode_s, sum(f.seconds for f in prefilled), searches, postponed, steps)
+
+
+def batch_plan_figures(results: list[GenerationResult]) -> tuple[list[dict], int]:
+    """The batch planner's searches of one batch, oldest first, and its checks that found no time
+    for one, from its requests' results (each has those it took part in)."""
+    searches = {s["id"]: s for r in results for s in r.extra.get("batch_searches", ())}
+    postponed = max((r.extra.get("num_batch_searches_postponed", 0) for r in results), default=0)
+    return [searches[i] for i in sorted(searches)], postponed
 
 
 def _report_step_errors(results: list[GenerationResult], budget, seen_before: int, changes_before: int) -> None:

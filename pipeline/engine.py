@@ -88,7 +88,7 @@ class Engine:
         self.hf = HFReference(self.path, self.device, self.mode, self.tokenizer.pad_token_id)
         self._latency = config.latency
         self._calibrator = calibrator
-        self.drafters = DrafterFactory(self.model.spec, lambda: self.latency)
+        self._drafters = DrafterFactory(self.model.spec, lambda: self.latency)
         self._calibrated = False  # the latency table came from the calibrator (its corrections are ours to record)
         self._step_cost = DeviceStepCost(self._record_step_cost)
         logger.info("Loaded %s (%d layers) in %s mode", self.path.name, self.model.spec.num_layers, self.mode.value)
@@ -130,7 +130,7 @@ class Engine:
             logger.warning("could not keep the step-cost fit with the latency table: %s", e)
 
     def drafter(self, strategy: StrategyConfig) -> Drafter:
-        return self.drafters.build(strategy)
+        return self._drafters.build(strategy)
 
     def prefill(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> Prefilled:
         return prefill(self.model, prompt_ids, max_new_tokens)

@@ -155,16 +155,3 @@ class DrafterFactory:
         if key not in self._planners:
             self._planners[key] = BatchPlanner(self.latency, config, self.history(strategy))
         return self._planners[key]
-
-    def batch_searches(self, strategy: str) -> list[dict]:
-        """What `strategy`'s batch planners chose and predicted, search by search, oldest first
-        (the last knapspec.batch_plan.SEARCHES_KEPT of each planner)."""
-        return [s for (name, _), planner in self._planners.items() if name == strategy for s in planner.searches]
-
-    def num_batch_searches(self, strategy: str) -> int:
-        """How many batch searches `strategy`'s planners have made, kept or not."""
-        return sum(planner.num_searches for (name, _), planner in self._planners.items() if name == strategy)
-
-    def num_batch_postponed(self, strategy: str) -> int:
-        """How many of `strategy`'s batch checks found no time for a search within its share."""
-        return sum(planner.num_postponed for (name, _), planner in self._planners.items() if name == strategy)

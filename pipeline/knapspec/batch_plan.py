@@ -195,7 +195,7 @@ class BatchPlanner:
         self._steps = 0
         self._members: set[int] = set()  # ids of the drafters that hold the current plan
         self._warmup: DraftPlan | None = None  # plain decoding while the first steps are timed
-        # What the last SEARCHES_KEPT searches chose and predicted, for the benchmark's report.
+        # What the last SEARCHES_KEPT searches chose and predicted (each member request's result has its own).
         self.searches: deque[dict] = deque(maxlen=SEARCHES_KEPT)
         self.num_searches = 0  # all of them
         self.num_postponed = 0
@@ -242,6 +242,8 @@ class BatchPlanner:
             searched = plan is not None
             if plan is None:  # no time for a search now: plain decoding until the next check
                 self.num_postponed += 1
+                for drafter in drafters:
+                    drafter.batch_postponed += 1
                 plan = self._plain(batch, contexts, padded)
             self.plan, self._weights, self._steps = plan, weights, 0
             self._members.clear()
@@ -350,28 +352,29 @@ class BatchPlanner:
     def _record(self, choice: BatchChoice, weights, contexts, seconds, requests, searched: bool) -> None:
         plan = choice.plan
         self.history.record(weights, plan.use_ar)
+        attn, mlp = items.count_kinds(plan.skip or ())
+        self.num_searches += 1
+        record = {
+            "id": self.num_searches,
+            "batch": len(contexts),
+            "total_context": sum(contexts),
+            "searched": searched,
+            "skipped_attn": attn,
+            "skipped_mlp": mlp,
+            "gamma": plan.gamma,
+            "predicted_tpt": choice.tpt,
+            "ar_tpt": choice.ar_tpt,
+            # Without a search: the optimistic bound (every reference token matched).
+            "best_draft_tpt": choice.best_draft_tpt,
+            "best_draft_alpha": choice.best_draft.alpha if choice.best_draft else None,
+            "best_draft_skipped": len(choice.best_draft.skip) if choice.best_draft else None,
+            "seconds": seconds,
+        }
+        self.searches.append(record)
         share = seconds / len(requests)
         for r in requests:  # the search is every member's: each carries its share of the time
             r.drafter.layer_drafter.optimize_s += share
-        attn, mlp = items.count_kinds(plan.skip or ())
-        self.num_searches += 1
-        self.searches.append(
-            {
-                "batch": len(contexts),
-                "total_context": sum(contexts),
-                "searched": searched,
-                "skipped_attn": attn,
-                "skipped_mlp": mlp,
-                "gamma": plan.gamma,
-                "predicted_tpt": choice.tpt,
-                "ar_tpt": choice.ar_tpt,
-                # Without a search: the optimistic bound (every reference token matched).
-                "best_draft_tpt": choice.best_draft_tpt,
-                "best_draft_alpha": choice.best_draft.alpha if choice.best_draft else None,
-                "best_draft_skipped": len(choice.best_draft.skip) if choice.best_draft else None,
-                "seconds": seconds,
-            }
-        )
+            r.drafter.layer_drafter.batch_searches.append(record)  # into its result (the drafter's summary)
         logger.debug(
             "batch of %d at %d tokens: %s, predicted %.1f tok/s vs AR %.1f",
             len(contexts),

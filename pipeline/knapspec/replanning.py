@@ -188,6 +188,10 @@ class ReplanningDrafter:
         self.optimize_s = 0.0
         self.plans: list[DraftPlan] = []
         self.num_postponed = 0  # checks that found no time for a search
+        # The batch planner's searches this request took part in (the same record for every
+        # member: `id` tells them apart), and its checks that found no time for one.
+        self.batch_searches: list[dict] = []
+        self.batch_postponed = 0
         # While the batch planner plans for this request with the others, this drafter drafts
         # with the batch's plan and does not search.
         self.batch_planner = batch_planner
@@ -278,6 +282,8 @@ class ReplanningDrafter:
             "predicted_tpt": self.plan.predicted_tpt if self.plan else None,
             "mean_skipped_attn": _mean([items.count_kinds(p.skip)[0] for p in plans]),
             "mean_skipped_mlp": _mean([items.count_kinds(p.skip)[1] for p in plans]),
+            "batch_searches": list(self.batch_searches),
+            "num_batch_searches_postponed": self.batch_postponed,
         }
 
     def score(self, skip: frozenset[int], top1: torch.Tensor, full_top1: torch.Tensor, context: int) -> ScoredCandidate:

@@ -236,6 +236,10 @@ def decode_planned(checkpoint, hybrid: bool):
     for prompt, limit, result in zip(prompts, limits, results):
         assert_same_or_near_tie(model, prompt, result.token_ids, alone(model, prompt, limit))
     assert any(s["searched"] for s in planner.searches), "the batch planner searched"
+    # Each result carries the searches it took part in: together, every search the planner made.
+    carried = {s["id"]: s for r in results for s in r.extra["batch_searches"]}
+    assert [carried[i] for i in sorted(carried)] == list(planner.searches)
+    assert results[0].extra["num_batch_searches_postponed"] == planner.num_postponed
     return planner, requests, results
 
 
