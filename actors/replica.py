@@ -112,7 +112,7 @@ class EngineReplica:
         from profiling.calibration import CalibrationStore
         from profiling.record import DEFAULT_LAYOUT, CalibrationKey
 
-        if not REGISTRY[self.strategy.name].searching or not hasattr(self.engine.model, "spec"):
+        if not REGISTRY[self.strategy.name].searching:
             return None
         try:
             key = CalibrationKey.for_model(self.engine.model, self.engine.name, layout=DEFAULT_LAYOUT)

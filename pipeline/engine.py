@@ -7,9 +7,10 @@ The strategies and how each builds its drafter are `pipeline.strategies`; transf
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -38,12 +39,18 @@ from pipeline.strategies import (  # noqa: F401 (the strategies' names, where us
 
 logger = logging.getLogger(__name__)
 
-# (model, model name, force) -> the model's latency table on this device; `force` re-measures.
-# Built by whoever owns calibration (profiling.calibration.store_calibrator): the engine
-# only asks for a table when a searching strategy first needs one. A calibrator may also
-# `record(model, model name, step cost, steps)`: the fit of the engine's timed batch steps,
-# kept with the table for the next engine (StoreCalibrator does).
-Calibrator = Callable[[SublayerModel, str, bool], LatencyModel]
+
+class Calibrator(Protocol):
+    """Where the searching strategies' latency table comes from, built by whoever owns
+    calibration (profiling.calibration.store_calibrator): the engine asks only when a searching
+    strategy first needs one. `record` keeps the fit of the engine's timed batch steps with
+    the table, for the next engine."""
+
+    def __call__(self, model: SublayerModel, model_name: str, force: bool) -> LatencyModel: ...
+
+    def record(self, model: SublayerModel, model_name: str, cost: StepCost, steps: int) -> bool: ...
+
+
 # Requests a replica decodes together unless told otherwise (docs/speed.md, "Batches").
 DEFAULT_MAX_BATCH = 8
 
@@ -120,11 +127,10 @@ class Engine:
         return self._latency
 
     def _record_step_cost(self, cost: StepCost, steps: int) -> None:
-        record = getattr(self._calibrator, "record", None)
-        if record is None or not self._calibrated:
+        if self._calibrator is None or not self._calibrated:
             return  # a table given in the config: the store holds nothing of it to correct
         try:
-            if record(self.model, self.name, cost, steps):
+            if self._calibrator.record(self.model, self.name, cost, steps):
                 logger.info("kept the fit of %d timed steps with this device's latency table", steps)
         except OSError as e:
             logger.warning("could not keep the step-cost fit with the latency table: %s", e)

@@ -112,7 +112,9 @@ def test_modules_stay_small(package):
 def test_no_module_imports_itself_round_a_circle():
     """No import circle between modules, counting imports for type checkers and inside
     functions: a circle means two modules that are one concern, or one reaching up."""
-    names = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p for p in modules(*PRODUCTION)}
+    names = {
+        ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p for p in modules(*PRODUCTION)
+    }
     graph = {}
     for name, path in names.items():
         edges = set()
@@ -155,3 +157,38 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
         if v not in index:
             visit(v)
     return found
+
+
+# What a literal getattr/hasattr may probe: the object's own fields (self, cls), what comes
+# from outside the house (argparse namespaces, Hugging Face configs, libraries' modules), and
+# a thread-local of the object's own.
+PROBED_FREELY = {
+    "self",
+    "cls",
+    "other",
+    "args",
+    "config",
+    "hf_config",
+    "torch",
+    "torch.ops.quantized",
+    "pa.types",
+    "backend",
+    "self._live",
+}
+
+
+def test_no_getattr_reaches_into_another_rooms_objects():
+    """An optional attribute fished out of another object (`getattr(drafter, "planner", None)`)
+    is an interface nobody wrote down: what one room needs of another's objects is a protocol
+    member, called as such. Dispatch by a method name held in a variable (links, actors) is
+    not probing."""
+    probes = []
+    for path in modules(*PRODUCTION, "jobs"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                continue
+            if node.func.id not in ("getattr", "hasattr") or len(node.args) < 2:
+                continue
+            if isinstance(node.args[1], ast.Constant) and ast.unparse(node.args[0]) not in PROBED_FREELY:
+                probes.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+    assert probes == []
