@@ -113,9 +113,9 @@ class OnlineStepCost:
         self._half_life = half_life
         self._fitted = prior
         self._unfitted = 0  # steps observed since the last fit
-        # Per timed step: the relative error of the table's prediction and of the fit's, made
-        # before the step was seen (what a plan made then would have assumed); the last
-        # ERRORS_KEPT of them, a replica's batcher living as long as its job.
+        # Per timed step: the relative error of the table's prediction and of the fit's as last
+        # made before the step was seen (what a plan made then would have assumed, up to the refit
+        # interval); the last ERRORS_KEPT of them, a replica's batcher living as long as its job.
         self.errors: deque[tuple[float, float]] = deque(maxlen=ERRORS_KEPT)
         self.num_observed = 0
         self.num_changes = 0  # times the fit restarted from a device that changed speed
@@ -126,7 +126,10 @@ class OnlineStepCost:
         """One timed step (without a prefill chunk: its rows cost by other rules)."""
         if math.isfinite(seconds) and seconds > 0:
             table = self.prior.seconds(contexts, rows, padded)
-            fitted = self.current().seconds(contexts, rows, padded)
+            # The fit as last made (the first one made now): refitting is left to those who plan
+            # from it (`current`), so a request that never asks (one decoding plainly) pays for no fit.
+            fit = self.current() if self._fitted is self.prior else self._fitted
+            fitted = fit.seconds(contexts, rows, padded)
             self.errors.append((abs(table - seconds) / seconds, abs(fitted - seconds) / seconds))
             self.num_observed += 1
             self._steps.append((StepCost.features(contexts, rows, padded), seconds))
@@ -144,7 +147,8 @@ class OnlineStepCost:
             recent = list(self._steps)[-CHANGE_STEPS:]
             self._steps.clear()
             self._steps.extend(recent)
-            self._unfitted, self._missed = REFIT_EVERY, 0
+            # Refitted now, not when next asked: the misses are counted against the last fit.
+            self._fitted, self._unfitted, self._missed = self._fit(), 0, 0
             self.num_changes += 1
 
     def prediction_errors(self, after: int = 0) -> tuple[float, float] | None:
