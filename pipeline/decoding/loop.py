@@ -143,7 +143,7 @@ class DecodingRequest:
         self.cache = prefilled.cache
         self.config, self.params = config, params
         self.drafter = drafter or NoDraft()
-        self.generator = params.generator()
+        self.generator = params.generator(prefilled.logits.device)
         if prompt_ids is None and params.controls_repetition and params.repetition_scope == "all":
             raise ConfigError("repetition control over the prompt needs the prompt's token ids (prompt_ids)")
         # Repetition control processes every row this request's tokens are chosen from (repetition.py).

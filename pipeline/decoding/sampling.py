@@ -70,10 +70,12 @@ class SamplingParams:
         history = prompt_ids if self.repetition_scope == "all" else ()
         return RepetitionState(self.repetition_penalty, self.no_repeat_ngram_size, history)
 
-    def generator(self) -> torch.Generator | None:
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        """The request's random stream, on the device its logits are on (a CUDA sample draws from a
+        CUDA generator; a seed gives each device its own stream)."""
         if self.greedy:
             return None
-        generator = torch.Generator()
+        generator = torch.Generator(device=device)
         if self.seed is None:
             generator.seed()
         else:
@@ -153,7 +155,7 @@ def accept_sampled(
     emitted = []
     for i, token in enumerate(draft_ids):
         p, q = target_probs[i, token].item(), draft_probs[i, token].item()
-        u = torch.rand((), generator=generator).item()
+        u = torch.rand((), generator=generator, device=target_probs.device).item()
         if u * q < p:  # u < p / q without dividing by a tiny q
             emitted.append(token)
             continue

@@ -145,18 +145,16 @@ def pooled_rows(spans: Sequence[tuple[KVCache, int, int]], max_rows: int) -> tup
             slots.append(cache.slot)
             positions.append(start + t)
             limit[base[cache.slot]][t] = start + t
-    limits = torch.tensor(limit, device=device)  # [slots, block]
+    # Every index of the layout in one tensor, moved to the device in one copy.
+    parts = (rows, slots, positions, padded, back, [x for slot_limits in limit for x in slot_limits])
+    packed = torch.tensor([x for part in parts for x in part], dtype=torch.long).to(device)
+    rows_t, slots_t, positions_t, padded_t, back_t, limits = packed.split([len(part) for part in parts])
+    limits = limits.view(len(base), block)
     layout_runs = []
     for first, end, keys in runs:
         seen = (limits[base[first] : base[first] + end - first] + 1).to(torch.int32)
         layout_runs.append(SlotRun(first, end, aligned_keys(keys, pool.slot_capacity, device), seen))
-
-    def index(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    layout = PooledRows(
-        pool, index(rows), index(slots), index(positions), index(padded), index(back), block, tuple(layout_runs)
-    )  # fmt: skip
+    layout = PooledRows(pool, rows_t, slots_t, positions_t, padded_t, back_t, block, tuple(layout_runs))
     return layout, [i for i in range(len(spans)) if i not in set(pooled)]
 
 

@@ -144,3 +144,22 @@ def test_speculative_sampling_is_reproducible(tiny_llama):
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
     assert list(itertools.chain(a.token_ids))  # non-empty
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_speculative_sampling_runs_on_cuda_with_the_requests_own_generator(tiny_llama):
+    """A request's random stream lives on its logits' device: on CUDA, sampling and rejection
+    draw from a CUDA generator (a CPU one raises there), reproducibly per seed."""
+    from pipeline.model import checkpoint
+    from pipeline.model.linear import ComputeMode
+    from pipeline.model.sublayer_model import SublayerModel
+
+    config = checkpoint.load_config(tiny_llama)
+    model = SublayerModel.from_tensors(config, checkpoint.read_tensors(tiny_llama), ComputeMode.FP32, "cuda")
+    drafter = LayerSkipDrafter([1, 2], model.spec.num_items, max_draft=3, confidence_threshold=0.0)
+    params = SamplingParams(temperature=1.0, seed=7)
+    assert params.generator(torch.device("cuda")).device.type == "cuda"
+    prompt = prompt_ids(20).to("cuda")
+    runs = [decode(model, prefill(model, prompt, 12), DecodeConfig(12), params, drafter).token_ids for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 12
