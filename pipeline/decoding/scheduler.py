@@ -45,6 +45,7 @@ from pipeline.model.packing import RequestRows
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class GenerationRequest:
     """What a caller submits: a prompt, its limits and sampling, and its drafter (None: `ar`)."""
