@@ -67,12 +67,9 @@ class KVRoom:
         if self.budget_bytes < self.position_bytes:
             raise ConfigError(f"a KV budget of {self.budget_bytes} bytes holds not one cache position")
         self.pooled = model.pooled_caches
+        # No slot at all is refused at the first submit, not here: a batch of adopted requests
+        # (decode, each with a cache of its own) needs no pool.
         self.num_slots = min(max_batch, self.budget_bytes // (self.slot_positions * self.position_bytes))
-        if self.pooled and self.num_slots < 1:
-            raise ConfigError(
-                f"a KV budget of {mib(self.budget_bytes)} holds not one slot of {self.slot_positions} positions "
-                f"({mib(self.slot_positions * self.position_bytes)}); raise the budget or lower the longest request"
-            )
         self.pool: KVPool | None = None  # made at the first admission, then kept
         self._held: dict[int, int] = {}  # ticket -> bytes of its cache
 
@@ -82,6 +79,11 @@ class KVRoom:
 
     def check(self, positions: int) -> None:
         """Refuse at once a request that could never join."""
+        if self.pooled and self.num_slots < 1:
+            raise ConfigError(
+                f"a KV budget of {mib(self.budget_bytes)} holds not one slot of {self.slot_positions} positions "
+                f"({mib(self.slot_positions * self.position_bytes)}); raise the budget or lower the longest request"
+            )
         if positions > self.slot_positions:
             limit = f"the KV pool's slots of {self.slot_positions} positions" if self.pooled else "the batch's limit"
             raise ConfigError(

@@ -11,10 +11,10 @@ import torch
 
 from pipeline.decoding.decode import decode
 from pipeline.decoding.drafters import LayerSkipDrafter, NoDraft
+from pipeline.decoding.kv_room import kv_bytes_per_position
 from pipeline.decoding.loop import DecodeConfig, Prefilled
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter
 from pipeline.decoding.sampling import SamplingParams
-from pipeline.decoding.kv_room import kv_bytes_per_position
 from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest
 from pipeline.decoding.serving import BatchingThread
 from pipeline.errors import ConfigError
@@ -117,7 +117,9 @@ def test_kv_budget_admits_what_fits_and_refuses_what_never_can(tiny_llama):
     with pytest.raises(ConfigError, match="context"):
         ContinuousBatcher(model, 2).submit(GenerationRequest(repeating_prompt(600, 3), DecodeConfig(12)))
     with pytest.raises(ConfigError, match=r"holds not one slot of 80 positions"):
-        ContinuousBatcher(model, 2, kv_budget_bytes=63 * per_position, slot_positions=80)
+        ContinuousBatcher(model, 2, kv_budget_bytes=63 * per_position, slot_positions=80).submit(
+            GenerationRequest(prompts[0], DecodeConfig(12))
+        )
     assert batcher.num_requests == 0
 
 
