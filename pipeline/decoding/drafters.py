@@ -15,11 +15,12 @@ from typing import Protocol
 import torch
 
 from pipeline.decoding.repetition import RepetitionState
-from pipeline.decoding.sampling import SamplingParams, probabilities, sample
+from pipeline.decoding.sampling import SamplingParams, probabilities
 from pipeline.decoding.step_cost import OnlineStepCost, StepLatency
 from pipeline.errors import ConfigError
 from pipeline.model import items
 from pipeline.model.kv_cache import KVCache
+from pipeline.model.packing import RequestRows
 from pipeline.model.sublayer_model import SublayerModel
 
 DEFAULT_MAX_DRAFT = 4
@@ -75,9 +76,19 @@ class DraftForward:
     skip: frozenset[int]
 
 
-# A drafter's proposal as steps: it yields the forwards it needs, receives their logits, and
-# returns its Draft. A batch runs the steps of all its requests together (decoding/loop.py).
-DraftSteps = Generator[DraftForward, torch.Tensor, Draft]
+@dataclass(frozen=True)
+class DraftChoice:
+    """Values a drafter computed on the device and needs on the host (a drafted token, its
+    probability): `values` [k] float64, answered with them as a list. A batch brings every
+    request's back in one copy per draft position."""
+
+    values: torch.Tensor
+
+
+# A drafter's proposal as steps: it yields the forwards it needs, receives their logits, yields
+# the choices it needs back on the host, receives them, and returns its Draft. A batch runs the
+# steps of all its requests together (decoding/loop.py).
+DraftSteps = Generator[DraftForward | DraftChoice, torch.Tensor | list[float], Draft]
 
 
 class BatchPlanning(Protocol):
@@ -120,11 +131,13 @@ def run_steps(request: DraftRequest, steps: DraftSteps) -> Draft:
     """A proposal's steps for one request alone: each forward on its own cache."""
     model = request.model
     try:
-        forward = next(steps)
+        asked = next(steps)
         while True:
-            ids = torch.tensor([forward.token], device=model.device)
-            logits = model.forward(request.cache, ids, forward.position, skip=forward.skip, logits="last").logits
-            forward = steps.send(logits[0])
+            if isinstance(asked, DraftChoice):
+                asked = steps.send(asked.values.tolist())
+                continue
+            out = model.forward_batch([RequestRows(request.cache, [asked.token], asked.position)], asked.skip, "last")
+            asked = steps.send(out[0][0])
     except StopIteration as stop:
         return stop.value
 
@@ -174,13 +187,16 @@ class LayerSkipDrafter:
         for j in range(min(self.max_draft, request.max_tokens)):
             logits = request.process((yield DraftForward(token, cache.length + j, self.skip)), tokens)
             if params.greedy:
-                token = int(logits.argmax())
-                confidence = torch.softmax(logits, dim=-1)[token].item()
+                chosen = logits.argmax()
+                confidence = torch.softmax(logits, dim=-1)[chosen]
             else:
                 q = probabilities(logits, params)
-                token = sample(q, request.generator)
-                confidence = q.max().item()
+                chosen = torch.multinomial(q, 1, generator=request.generator)[0]
+                confidence = q.max()
                 dists.append(q)
+            # Both come back together, with the other drafting requests' (one copy per position).
+            token, confidence = yield DraftChoice(torch.stack([chosen.double(), confidence.double()]))
+            token = int(token)
             if confidence < self.confidence_threshold:
                 if dists:
                     dists.pop()

@@ -16,14 +16,18 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.decoding.batch_drafts import DraftBudget
-from pipeline.decoding.drafters import Draft, Drafter, DraftForward, DraftRequest, DraftSteps, NoDraft
+from pipeline.decoding.drafters import Draft, DraftChoice, Drafter, DraftForward, DraftRequest, DraftSteps, NoDraft
 from pipeline.decoding.sampling import (
     SamplingParams,
-    accept_greedy,
-    accept_sampled,
     check_finite,
+    greedy_decision,
+    greedy_emitted,
+    non_finite,
     probabilities,
+    raise_if_non_finite,
     sample,
+    sampled_decision,
+    sampled_emitted,
 )
 from pipeline.decoding.stats import GenerationStats
 from pipeline.decoding.stopping import FINISH_EOS, FINISH_LENGTH, FINISH_SENTENCE, SentenceStop
@@ -98,11 +102,11 @@ def propose_together(model: SublayerModel, requests: Sequence[DecodingRequest]) 
     a plan: same strategy, same search history). A request whose drafter fails gets its error
     in its place; the others draft on."""
     drafts: list[Draft | Exception | None] = [None] * len(requests)
-    asking: dict[int, tuple[DraftSteps, DraftForward]] = {}
+    asking: dict[int, tuple[DraftSteps, DraftForward | DraftChoice]] = {}
 
-    def advance(i: int, steps: DraftSteps, logits: torch.Tensor | None) -> None:
+    def advance(i: int, steps: DraftSteps, answer) -> None:
         try:
-            asking[i] = (steps, next(steps) if logits is None else steps.send(logits))
+            asking[i] = (steps, next(steps) if answer is None else steps.send(answer))
         except StopIteration as stop:
             asking.pop(i, None)
             drafts[i] = stop.value
@@ -113,16 +117,20 @@ def propose_together(model: SublayerModel, requests: Sequence[DecodingRequest]) 
     for i, request in enumerate(requests):
         advance(i, request.propose_steps(model), None)
     while asking:
+        choosing = [i for i, (_, asked) in asking.items() if isinstance(asked, DraftChoice)]
+        if choosing:  # every drafting request's choices back to the host in one copy
+            choices = [asking[i][1].values for i in choosing]
+            values = torch.cat(choices).tolist()
+            at = 0
+            for i, chosen in zip(choosing, choices):
+                mine, at = values[at : at + chosen.numel()], at + chosen.numel()
+                advance(i, asking[i][0], mine)
+            continue
         by_skip: dict[frozenset[int], list[int]] = {}
         for i, (_, forward) in asking.items():
             by_skip.setdefault(forward.skip, []).append(i)
         for skip, members in by_skip.items():
-            blocks = [
-                RequestRows(
-                    requests[i].cache, torch.tensor([asking[i][1].token], device=model.device), asking[i][1].position
-                )
-                for i in members
-            ]
+            blocks = [RequestRows(requests[i].cache, [asking[i][1].token], asking[i][1].position) for i in members]
             for i, logits in zip(members, model.forward_batch(blocks, skip=skip, logits="last")):
                 advance(i, asking[i][0], logits[0])
     return drafts
@@ -178,21 +186,37 @@ class DecodingRequest:
             self.repetition,
         )
 
-    def verify_ids(self, draft: Draft, device: torch.device) -> torch.Tensor:
-        """The rows a verify forward runs: the pending token and the draft [1 + n]."""
-        return torch.tensor([self.pending, *draft.token_ids], device=device)
+    def verify_ids(self, draft: Draft) -> list[int]:
+        """The rows a verify forward runs: the pending token and the draft [1 + n] (the forward
+        moves them to the device with the rest of its step's metadata)."""
+        return [self.pending, *draft.token_ids]
 
     def accept(self, draft: Draft, logits: torch.Tensor) -> None:
-        """Accept from the verify forward's logits [1 + n, V]: the longest matching prefix and the
-        model's own next token (greedy), or speculative rejection sampling. Under repetition
-        control, row i is processed with the history and the draft's first i tokens."""
+        """Accept from the verify forward's logits [1 + n, V] (decision, then take)."""
+        self.take(draft, self.decision(draft, logits).tolist())
+
+    def decision(self, draft: Draft, logits: torch.Tensor) -> torch.Tensor:
+        """Everything acceptance needs from the verify forward's logits [1 + n, V], computed on
+        their device: greedy, each row's argmax (sampling.greedy_decision); sampling, every draw
+        of speculative rejection sampling (sampling.sampled_decision); both with each row's
+        finiteness first. A batch brings every request's back to the host in one copy. Under
+        repetition control, row i is processed with the history and the draft's first i tokens."""
         if self.repetition is not None:
             logits = self.repetition.process(logits, draft.token_ids)
         if self.params.greedy:
-            emitted = accept_greedy(draft.token_ids, logits)
+            return greedy_decision(logits)
+        probs = probabilities(logits, self.params)
+        return torch.cat([non_finite(logits), sampled_decision(draft.token_ids, draft.probs, probs, self.generator)])
+
+    def take(self, draft: Draft, decision: list[int]) -> None:
+        """Accept the longest matching prefix and the model's own next token (greedy), or what
+        speculative rejection sampling emits, from the decision back on the host."""
+        rows = len(draft.token_ids) + 1
+        if self.params.greedy:
+            emitted = greedy_emitted(draft.token_ids, decision)
         else:
-            check_finite(logits)  # a NaN distribution would fail inside torch.multinomial, unexplained
-            emitted = accept_sampled(draft.token_ids, draft.probs, probabilities(logits, self.params), self.generator)
+            raise_if_non_finite(decision[:rows])  # a NaN distribution's draws are garbage
+            emitted = sampled_emitted(draft.token_ids, decision[rows:])
         num_accepted = len(emitted) - 1
         self.drafter.observe(len(draft.token_ids), num_accepted)
         # The verify forward wrote exact K/V for pending + the accepted drafts.

@@ -109,31 +109,40 @@ def accept_greedy(draft_ids: list[int], target_logits: torch.Tensor) -> list[int
 
     target_logits: [len(draft_ids) + 1, V], row i predicting the token after draft i - 1.
     """
-    # The targets and the rows' finiteness come back in one copy: a NaN row's argmax is garbage.
-    targets = torch.cat([target_logits.argmax(dim=-1), _non_finite(target_logits)]).tolist()
-    rows = target_logits.shape[0]
-    _raise_if_any(targets[rows:])
+    return greedy_emitted(draft_ids, greedy_decision(target_logits).tolist())
+
+
+def greedy_decision(target_logits: torch.Tensor) -> torch.Tensor:
+    """What a greedy verification needs of its logits [n + 1, V], on their device: each row's
+    argmax, then whether it is not finite (a NaN row's argmax is garbage) -> [2 (n + 1)]."""
+    return torch.cat([target_logits.argmax(dim=-1), non_finite(target_logits)])
+
+
+def greedy_emitted(draft_ids: Sequence[int], decision: Sequence[int]) -> list[int]:
+    """The tokens a greedy verification emits, from its decision (greedy_decision) on the host."""
+    rows = len(decision) // 2
+    raise_if_non_finite(decision[rows:])
     emitted = []
-    for draft, target in zip(draft_ids, targets):
+    for draft, target in zip(draft_ids, decision):
         if draft != target:
             break
         emitted.append(draft)
-    emitted.append(targets[len(emitted)])
+    emitted.append(decision[len(emitted)])
     return emitted
 
 
 def check_finite(logits: torch.Tensor) -> None:
     """Raise NonFiniteLogits if a row of `logits` [..., V] holds NaN or an infinity."""
-    _raise_if_any(_non_finite(logits.reshape(-1, logits.shape[-1])).tolist())
+    raise_if_non_finite(non_finite(logits.reshape(-1, logits.shape[-1])).tolist())
 
 
-def _non_finite(logits: torch.Tensor) -> torch.Tensor:
+def non_finite(logits: torch.Tensor) -> torch.Tensor:
     """[rows] of 0/1 (int64): 1 where a row's largest logit is not finite, which NaN anywhere
     in the row makes it (amax propagates NaN), as does +inf, or a row that is all -inf."""
     return (~torch.isfinite(logits.amax(dim=-1))).long()
 
 
-def _raise_if_any(flags: list[int]) -> None:
+def raise_if_non_finite(flags: list[int]) -> None:
     if any(flags):
         raise NonFiniteLogits(
             f"the model's logits are NaN or infinite (row {flags.index(1)} of {len(flags)} of a forward): "
@@ -152,17 +161,51 @@ def accept_sampled(
     draft_probs: [n, V], the distribution each draft token was drawn from;
     target_probs: [n + 1, V].
     """
+    check_finite(target_probs)
+    return sampled_emitted(draft_ids, sampled_decision(draft_ids, draft_probs, target_probs, generator).tolist())
+
+
+def sampled_decision(
+    draft_ids: Sequence[int],
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Speculative sampling's every draw at once, on the target's device -> [2n + 1]: whether
+    each draft token is kept (u < p / q), the token each position would emit if it were the
+    first rejected one (drawn from normalize(max(p - q, 0))), and the bonus token (from p after
+    the last draft). The draws are independent of one another, so taking the first rejection's
+    token afterwards (sampled_emitted) gives exactly the law of drawing them one at a time."""
+    n = len(draft_ids)
+    device = target_probs.device
+    rows = target_probs
+    kept = torch.empty(0, dtype=torch.long, device=device)
+    if n:
+        tokens = torch.tensor(draft_ids, device=device)[:, None]
+        draft_probs = draft_probs.to(device)
+        p = target_probs[:n].gather(1, tokens)[:, 0]
+        q = draft_probs.gather(1, tokens)[:, 0]
+        u = torch.rand(n, generator=generator, device=device)
+        kept = (u * q < p).long()  # u < p / q without dividing by a tiny q
+        residual = (target_probs[:n] - draft_probs).clamp_min(0)  # multinomial normalizes it
+        # p == q up to rounding leaves no residual mass; p itself is then the right law.
+        residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, target_probs[:n])
+        rows = torch.cat([residual, target_probs[n:]])
+    # A row of non-finite logits is refused from the host (greedy_emitted's flags); until then it
+    # draws from anything finite, since multinomial would fail on the device, unexplained.
+    usable = torch.isfinite(rows).all(dim=-1, keepdim=True) & (rows.sum(dim=-1, keepdim=True) > 0)
+    rows = torch.where(usable, rows, torch.ones_like(rows))
+    return torch.cat([kept, torch.multinomial(rows, 1, generator=generator)[:, 0]])
+
+
+def sampled_emitted(draft_ids: Sequence[int], decision: Sequence[int]) -> list[int]:
+    """The tokens a speculative-sampling verification emits, from its decision on the host:
+    the draft up to its first rejected token, then that position's token (or the bonus)."""
+    n = len(draft_ids)
+    kept, drawn = decision[:n], decision[n:]
     emitted = []
     for i, token in enumerate(draft_ids):
-        p, q = target_probs[i, token].item(), draft_probs[i, token].item()
-        u = torch.rand((), generator=generator, device=target_probs.device).item()
-        if u * q < p:  # u < p / q without dividing by a tiny q
-            emitted.append(token)
-            continue
-        residual = (target_probs[i] - draft_probs[i]).clamp_min(0)
-        total = residual.sum()
-        # p == q up to rounding leaves no residual mass; p itself is then the right law.
-        emitted.append(sample(residual / total if total > 0 else target_probs[i], generator))
-        return emitted
-    emitted.append(sample(target_probs[len(draft_ids)], generator))
-    return emitted
+        if not kept[i]:
+            return emitted + [drawn[i]]
+        emitted.append(token)
+    return emitted + [drawn[n]]

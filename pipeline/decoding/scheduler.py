@@ -197,9 +197,7 @@ class ContinuousBatcher:
         blocks, kept = [], []
         for (ticket, request, _), draft in zip(pairs, fitted):
             try:
-                blocks.append(
-                    RequestRows(request.cache, request.verify_ids(draft, self.model.device), request.cache.length)
-                )
+                blocks.append(RequestRows(request.cache, request.verify_ids(draft), request.cache.length))
             except Exception as e:
                 finished.append(self._fail(ticket, e, what="its verify rows"))
             else:
@@ -218,21 +216,39 @@ class ContinuousBatcher:
             caches = [r.cache for _, r, _ in pairs]
             self.budget.observe([d for _, _, d in pairs], [c.length for c in caches], pooled(caches), seconds)
         emitted = sum(len(r.output) for _, r, _ in pairs) if self.step_log is not None else 0
-        for (ticket, request, draft), logits in zip(pairs, outputs):
-            if isinstance(logits, BaseException):
-                finished.append(self._fail(ticket, logits, what="its verify forward"))
-                continue
-            try:
-                request.accept(draft, logits)
-                if not request.running:
-                    finished.append(self._finish(ticket, request))
-            except Exception as e:  # its acceptance or result: this request's own, the batch goes on
-                finished.append(self._fail(ticket, e, what="its acceptance"))
+        finished += self._accept(pairs, outputs)
         if chunk is not None:
             finished += self._chunk_done(chunk, outputs[-1], seconds)
         elif self.step_log is not None and not isolated:
             emitted = sum(len(r.output) for _, r, _ in pairs) - emitted
             self.step_log.append(StepRecord(len(pairs), emitted, time.perf_counter() - step_started))
+        return finished
+
+    def _accept(self, pairs: list, outputs: list) -> list[Finished]:
+        """Every request's acceptance from its verify logits: decided on the device, brought back
+        to the host in one copy for the whole batch, then taken. A request whose forward or
+        acceptance failed leaves; the batch goes on."""
+        finished, decided = [], []
+        for (ticket, request, draft), logits in zip(pairs, outputs):
+            if isinstance(logits, BaseException):
+                finished.append(self._fail(ticket, logits, what="its verify forward"))
+                continue
+            try:
+                decided.append((ticket, request, draft, request.decision(draft, logits)))
+            except Exception as e:
+                finished.append(self._fail(ticket, e, what="its acceptance"))
+        if not decided:
+            return finished
+        values = torch.cat([decision for *_, decision in decided]).tolist()  # the step's one copy back
+        at = 0
+        for ticket, request, draft, decision in decided:
+            mine, at = values[at : at + decision.numel()], at + decision.numel()
+            try:
+                request.take(draft, mine)
+                if not request.running:
+                    finished.append(self._finish(ticket, request))
+            except Exception as e:  # its acceptance or result: this request's own, the batch goes on
+                finished.append(self._fail(ticket, e, what="its acceptance"))
         return finished
 
     def _drafts(self, requests: list[DecodingRequest]) -> list:

@@ -32,21 +32,29 @@ from pipeline.model.layers import (
     matmul_attention,
     pooled_attention,
     ungroup,
+    unseen_keys,
 )
 from pipeline.model.linear import KERNEL_MAX_ROWS
-from pipeline.model.packing import PooledRows, pooled_rows
+from pipeline.model.packing import PooledRows
 
 
 @dataclass(frozen=True)
 class Span:
     """One request's rows [offset, offset + rows) of a packed batch, at positions
-    [start, start + rows) of its `cache`; `mask` is its block's (layers.block_mask)."""
+    [start, start + rows) of its `cache` (`positions`, on the device). A long block's `mask`
+    (layers.block_mask); a short one's keys seen per row, as the fused kernel takes them
+    (`seen`, [1, rows] int32), or as the matmuls do: `width` keys read (a bucket,
+    layers.aligned_keys), the ones each row must not see `hidden` [rows, width]."""
 
     cache: KVCache
     start: int
     rows: int
     offset: int
     mask: torch.Tensor | None
+    positions: torch.Tensor
+    seen: torch.Tensor | None = None
+    width: int = 0
+    hidden: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -60,18 +68,38 @@ class BatchRows:
     num_rows: int
 
     @classmethod
-    def of(cls, spans: Sequence[tuple[KVCache, int, int]], device: torch.device) -> BatchRows:
-        """From each request's (cache, start, rows), in the order of the rows."""
-        if len(spans) == 1:  # a request alone: nothing to pool, nothing to pack
-            cache, start, n = spans[0]
-            return cls((Span(cache, start, n, 0, block_mask(n, start, device)),), (0,), None, n)
-        pooled, own = pooled_rows(spans, FUSED_ATTENTION_MIN_TOKENS)
+    def of(
+        cls,
+        spans: Sequence[tuple[KVCache, int, int]],
+        own: Sequence[int],
+        pooled: PooledRows | None,
+        positions: torch.Tensor,
+        kernel: bool,
+    ) -> BatchRows:
+        """From each request's (cache, start, rows) in the order of the rows, the ones attended
+        over their own caches (`own`) and the pool's layout of the rest (packing.plan_pooled),
+        every row's position on the device, and whether short blocks take the fused kernel.
+        Every mask is made here, from the device's positions, once per forward."""
         laid, offset = [], 0
         for j, (cache, start, n) in enumerate(spans):
-            mask = block_mask(n, start, device) if pooled is None or j in own else None
-            laid.append(Span(cache, start, n, offset, mask))
+            at = positions[offset : offset + n]
+            if j not in own:
+                laid.append(Span(cache, start, n, offset, None, at))
+            elif _takes_fused(n, kernel):
+                laid.append(Span(cache, start, n, offset, block_mask(n, start, positions.device), at))
+            elif kernel:
+                laid.append(Span(cache, start, n, offset, None, at, seen=(at + 1).to(torch.int32).view(1, n)))
+            else:
+                width = aligned_keys(start + n, cache.capacity)
+                laid.append(Span(cache, start, n, offset, None, at, width=width, hidden=unseen_keys(at, width)))
             offset += n
         return cls(tuple(laid), tuple(own), pooled, offset)
+
+
+def _takes_fused(num_tokens: int, kernel: bool) -> bool:
+    """Whether a block of a request's own takes PyTorch's fused attention: a long one, except that
+    the kernel keeps what the kernel linears take (a long verify stays row-exact)."""
+    return num_tokens >= FUSED_ATTENTION_MIN_TOKENS and not (kernel and num_tokens <= KERNEL_MAX_ROWS)
 
 
 @dataclass(frozen=True)
@@ -123,15 +151,14 @@ class Attention:
         up to the block's end; a short block through the kernel up to the kernel linears' rows,
         so that a long verify stays row-exact."""
         cache, start = span.cache, span.start
-        num_tokens, end = q.shape[0], start + q.shape[0]
         cache.write(layer, start, k.transpose(0, 1), v.transpose(0, 1))
-        if num_tokens >= FUSED_ATTENTION_MIN_TOKENS and not (self.kernel and num_tokens <= KERNEL_MAX_ROWS):
-            return fused_attention(q, *cache.view(layer, end), start, span.mask, self.scale, out)
-        if self.kernel:
-            result = kernel_attention(q * self.scale, *cache.view(layer, end), start, self.num_kv_heads)
+        if span.seen is not None:  # the whole cache handed over: each row reads its keys to its own limit
+            result = kernel_attention(q * self.scale, *cache.view(layer, cache.capacity), span.seen, self.num_kv_heads)
+        elif span.hidden is not None:
+            keys, values = cache.view(layer, span.width)  # [kv_heads, width, head_dim]
+            result = matmul_attention(q * self.scale, keys, values, span.hidden, self.num_kv_heads)
         else:
-            keys, values = cache.view(layer, aligned_keys(end, cache.capacity, q.device))  # [kv_heads, n, head_dim]
-            result = matmul_attention(q * self.scale, keys, values, start, span.mask, self.num_kv_heads)
+            return fused_attention(q, *cache.view(layer, start + q.shape[0]), start, span.mask, self.scale, out)
         return result if out is None else out.copy_(result)
 
     def _pooled(self, layer: int, q, k, v, pooled: PooledRows) -> torch.Tensor:

@@ -12,8 +12,6 @@ and the cache plus each branch's own tokens (the DP).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -23,28 +21,24 @@ from pipeline.model.short_attention import short_attention, silu_mul_rows
 # ones (decode, verify) through the grouped product that never repeats K/V heads.
 FUSED_ATTENTION_MIN_TOKENS = 16
 
-# On CUDA a short block's attention reads its keys in multiples of this many (the extra ones
-# masked): the scores' rows are the leading dimension of both half-precision GEMMs, and cuBLAS
-# takes a much slower kernel when a row is not a multiple of 16 bytes — with one key more every
-# decode step, every other step would (docs/results/gpu_check-h200.md). The CPU reads exactly its keys.
-CUDA_KEY_ALIGN = 8
+# A short block's attention through the matmuls reads its keys in buckets of this many (the
+# extra ones masked): consecutive steps of a request then have the same shapes, so one compiled
+# or captured step serves a whole bucket, and on CUDA the scores' rows stay multiples of 16
+# bytes, without which cuBLAS takes a much slower half-precision kernel (with one key more every
+# decode step, every other step would: docs/results/gpu_check-h200.md). The fused CPU kernel
+# reads each row's keys to its own limit, whatever width it is handed.
+KEY_BUCKET = 32
 
 
-def key_align(device: torch.device) -> int:
-    return CUDA_KEY_ALIGN if device.type == "cuda" else 1
+def aligned_keys(num_keys: int, capacity: int) -> int:
+    """How many keys a short block that sees `num_keys` reads: rounded up to `KEY_BUCKET`, within `capacity`."""
+    return min(-(-num_keys // KEY_BUCKET) * KEY_BUCKET, capacity)
 
 
-def aligned_keys(num_keys: int, capacity: int, device: torch.device) -> int:
-    """How many keys a short block that sees `num_keys` reads: rounded up to `key_align`, within `capacity`."""
-    align = key_align(device)
-    return min(-(-num_keys // align) * align, capacity)
-
-
-@functools.lru_cache(maxsize=8)  # every layer of a forward asks for the same one: built once, not once a layer
-def hidden_keys(num_tokens: int, start: int, width: int, device: torch.device) -> torch.Tensor:
-    """[T, width], True where a query at [start, start + T) must not look: keys past its own
-    position. Cached: callers only read it."""
-    return torch.arange(width, device=device) > (start + torch.arange(num_tokens, device=device))[:, None]
+def unseen_keys(positions: torch.Tensor, width: int) -> torch.Tensor:
+    """[T, width], True where a query at `positions` [T] (a device tensor) must not look: keys
+    past its own position, its block's later ones and what a bucket reads past them alike."""
+    return torch.arange(width, device=positions.device) > positions[:, None]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,14 +79,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def block_mask(num_tokens: int, start: int, device: torch.device) -> torch.Tensor | None:
-    """The mask a block of queries at [start, start + T) needs, built once per forward.
-
-    Fused attention (long blocks): None for the first block (is_causal does it), else
-    [T, start + T], True where attending is allowed. Grouped attention (short blocks):
-    `later_in_block`, None for a single query.
-    """
-    if num_tokens < FUSED_ATTENTION_MIN_TOKENS:
-        return later_in_block(num_tokens, device)
+    """The mask a long block of queries at [start, start + T) needs for fused attention, built
+    once per forward: None for the first block (is_causal does it), else [T, start + T], True
+    where attending is allowed."""
     if start == 0:
         return None
     positions = torch.arange(start + num_tokens, device=device)
@@ -162,7 +151,7 @@ def grouped_attention(
     (decode and verify: the block was written into the cache first); with them
     ([kv_heads, B, T, head_dim]) each branch attends to the shared keys and causally to its
     own (the DP: the cache is only read). `later` (later_in_block) hides each query's later
-    tokens of its block; the caller builds it once per forward. `hidden` ([T, n], hidden_keys)
+    tokens of its block; the caller builds it once per forward. `hidden` ([T, n], unseen_keys)
     instead masks the whole width, for keys read past the block (aligned_keys). Returns
     [kv_heads, B, groups, T, head_dim].
     """
@@ -187,16 +176,12 @@ def grouped_attention(
 
 
 def matmul_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, later: torch.Tensor | None, num_kv_heads: int
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor, num_kv_heads: int
 ) -> torch.Tensor:
-    """grouped_attention's decode and verify case: q [T, H, head_dim], already scaled, at
-    [start, start + T) over keys/values [kv_heads, n, head_dim] (the block's own written first);
-    keys past start + T (read to align, aligned_keys) are masked -> [T, H * head_dim]."""
-    num_tokens, width = q.shape[0], keys.shape[1]
-    qg = group_queries(q[None], num_kv_heads)
-    if width > start + num_tokens:
-        return ungroup(grouped_attention(qg, keys, values, hidden=hidden_keys(num_tokens, start, width, q.device)))
-    return ungroup(grouped_attention(qg, keys, values, later=later))
+    """grouped_attention's decode and verify case: q [T, H, head_dim], already scaled, over
+    keys/values [kv_heads, n, head_dim] (the block's own written first; n a bucket's width,
+    aligned_keys), `hidden` [T, n] (unseen_keys) masked -> [T, H * head_dim]."""
+    return ungroup(grouped_attention(group_queries(q[None], num_kv_heads), keys, values, hidden=hidden))
 
 
 def softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -206,23 +191,16 @@ def softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.softmax(scores.float(), dim=-1).to(dtype)
 
 
-@functools.lru_cache(maxsize=8)  # every layer of a forward asks for the same one
-def keys_seen(start: int, num_tokens: int) -> torch.Tensor:
-    """[1, T] int32: how many keys each query at [start, start + T) sees (the kernel's limits).
-    Cached: callers only read it."""
-    return torch.arange(start + 1, start + num_tokens + 1, dtype=torch.int32).view(1, num_tokens)
-
-
 def kernel_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, num_kv_heads: int
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor, num_kv_heads: int
 ) -> torch.Tensor:
     """grouped_attention's decode and verify case through the fused CPU kernel: q [T, H, head_dim],
-    already scaled, at [start, start + T) over keys/values [kv_heads, start + T, head_dim]
-    (the block's own written first) -> [T, H * head_dim]."""
+    already scaled, over keys/values [kv_heads, n, head_dim] (the block's own written first),
+    query t seeing keys [0, seen[0, t]) (int32 [1, T]) -> [T, H * head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
     groups = num_heads // num_kv_heads
     rows = q.view(num_tokens, num_kv_heads, groups, head_dim).transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)
-    out = short_attention(rows, keys, values, keys_seen(start, num_tokens))  # [1, kv_heads, T * groups, head_dim]
+    out = short_attention(rows, keys, values, seen)  # [1, kv_heads, T * groups, head_dim]
     return out.view(num_kv_heads, num_tokens, groups, head_dim).transpose(0, 1).reshape(num_tokens, -1)
 
 

@@ -4,7 +4,6 @@ the logits of its rows come back out."""
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,12 +19,13 @@ from pipeline.model.linear import Linear
 
 @dataclass(frozen=True)
 class RequestRows:
-    """One request's rows in a batched forward: `token_ids` [T] at positions [start, start + T)
+    """One request's rows in a batched forward: `token_ids` [T] (a tensor, or host ints that the
+    forward moves with the rest of its metadata) at positions [start, start + T)
     of its own cache (T = 1 to decode, 1 + γ to verify, a chunk to prefill). `logits`: which of
     its rows need logits ("all", "last", "none"); None takes the forward's choice."""
 
     cache: KVCache  # or any cache with the same interface (a pipeline's)
-    token_ids: torch.Tensor
+    token_ids: torch.Tensor | Sequence[int]
     start: int
     logits: str | None = None
 
@@ -41,21 +41,30 @@ def check_logit_choices(blocks: Sequence[RequestRows], default: str) -> list[str
     return wanted
 
 
-def packed_logits(
-    head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, wanted: Sequence[str], sizes: Sequence[int]
-) -> list[torch.Tensor | None]:
-    """`head` (final norm and LM head) once over the packed rows [M, d] that need logits, split
-    back per request: all its rows, its last, or None (`wanted`); `sizes` are its row counts."""
-    if all(choice == "all" for choice in wanted):
-        return list(head(h).split(list(sizes)))
+def logit_rows(wanted: Sequence[str], sizes: Sequence[int]) -> list[range]:
+    """Each block's rows that need logits in the packed batch: all its rows, its last, or none."""
     offsets = [0, *itertools.accumulate(sizes)]
-    rows = [
+    return [
         range(a, e) if choice == "all" else range(e - 1, e) if choice == "last" else range(0)
         for choice, a, e in zip(wanted, offsets, offsets[1:])
     ]
+
+
+def packed_logits(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    h: torch.Tensor,
+    wanted: Sequence[str],
+    sizes: Sequence[int],
+    index: torch.Tensor | None,
+) -> list[torch.Tensor | None]:
+    """`head` (final norm and LM head) once over the packed rows [M, d] that need logits, split
+    back per request: all its rows, its last, or None (`wanted`); `sizes` are its row counts,
+    `index` the rows of logit_rows on h's device (None where every row needs logits)."""
+    if all(choice == "all" for choice in wanted):
+        return list(head(h).split(list(sizes)))
+    rows = logit_rows(wanted, sizes)
     if not any(rows):
         return [None] * len(wanted)
-    index = torch.tensor([row for block in rows for row in block], device=h.device)
     parts = iter(head(h[index]).split([len(block) for block in rows if block]))
     return [next(parts) if block else None for block in rows]
 
@@ -68,18 +77,16 @@ MIN_GAP_KEYS = 512
 
 @dataclass(frozen=True)
 class SlotRun:
-    """Pool slots [first, end) that one attention call serves, over their first `num_keys` keys."""
+    """Pool slots [first, end) that one attention call serves, over their first `num_keys` keys:
+    how many keys each query row sees as the fused kernel takes it (`seen`, [end - first, block]
+    int32), or as the matmuls' mask (`hidden`, [end - first, 1, 1, block, num_keys], True where
+    a query must not look)."""
 
     first: int
     end: int
     num_keys: int
-    seen: torch.Tensor  # [end - first, block] int32: the keys each query row sees (the fused kernel's form)
-
-    @functools.cached_property
-    def hidden(self) -> torch.Tensor:
-        """[end - first, 1, 1, block, num_keys]: True where a query must not look (the matmuls'
-        mask; made on first use, once per forward, since the kernel never needs it)."""
-        return (torch.arange(self.num_keys, device=self.seen.device) >= self.seen[..., None])[:, None, None]
+    seen: torch.Tensor
+    hidden: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -112,15 +119,38 @@ def slot_runs(slots_keys: Sequence[tuple[int, int]], min_gap_keys: int = MIN_GAP
     return [(first, end, keys) for first, end, keys in runs]
 
 
-def pooled_rows(spans: Sequence[tuple[KVCache, int, int]], max_rows: int) -> tuple[PooledRows | None, list[int]]:
+@dataclass(frozen=True)
+class PooledPlan:
+    """A PooledRows on the host: its index lists (`parts`: rows, slots, positions, padded, back,
+    limits), to be moved to the device with the rest of a step's metadata (staging.py)."""
+
+    pool: KVPool
+    parts: tuple[list[int], ...]
+    runs: tuple[tuple[int, int, int], ...]  # (first, end, keys read): one attention call each
+    bases: tuple[int, ...]  # each run's first slot's place among the runs' slots
+    block: int
+
+    def on_device(self, parts: Sequence[torch.Tensor], kernel: bool) -> PooledRows:
+        """The layout from `parts` as they arrived on the device (int64, in the order of `parts`),
+        its masks made for the fused kernel (`kernel`) or for the matmuls."""
+        rows, slots, positions, padded, back, limits = parts
+        limits = (limits + 1).to(torch.int32).view(-1, self.block)
+        runs = []
+        for (first, end, keys), base in zip(self.runs, self.bases):
+            seen = limits[base : base + end - first]
+            hidden = None if kernel else (torch.arange(keys, device=seen.device) >= seen[..., None])[:, None, None]
+            runs.append(SlotRun(first, end, keys, seen, hidden))
+        return PooledRows(self.pool, rows, slots, positions, padded, back, self.block, tuple(runs))
+
+
+def plan_pooled(spans: Sequence[tuple[KVCache, int, int]], max_rows: int) -> tuple[PooledPlan | None, list[int]]:
     """Which spans (cache, start, rows) one pooled attention can serve — blocks shorter than
-    `max_rows` in slots of one pool, at least two of them — and its layout; the others' indices."""
+    `max_rows` in slots of one pool, at least two of them — and its plan; the others' indices."""
     pooled = [i for i, (cache, _, n) in enumerate(spans) if isinstance(cache, PooledCache) and n < max_rows]
     pools = {id(spans[i][0].pool) for i in pooled}
     if len(pooled) < 2 or len(pools) != 1:
         return None, list(range(len(spans)))
     pool = spans[pooled[0]][0].pool
-    device = pool.keys.device
     block = max(spans[i][2] for i in pooled)
     # Rows stay in the batch's order (a forward whose rows are all pooled takes the output as is).
     runs = slot_runs(sorted((spans[i][0].slot, spans[i][1] + spans[i][2]) for i in pooled))
@@ -134,7 +164,7 @@ def pooled_rows(spans: Sequence[tuple[KVCache, int, int]], max_rows: int) -> tup
     padded = [0] * (len(base) * block)  # idle slots and padding read row 0: finite, then dropped
     # Every padded query may look at key 0 (a softmax over nothing would be NaN); a real one at
     # its prefix and its block up to itself.
-    limit = [[0] * block for _ in range(len(base))]
+    limits = [0] * (len(base) * block)
     for i in pooled:
         cache, start, n = spans[i]
         for t in range(n):
@@ -144,18 +174,28 @@ def pooled_rows(spans: Sequence[tuple[KVCache, int, int]], max_rows: int) -> tup
             rows.append(offsets[i] + t)
             slots.append(cache.slot)
             positions.append(start + t)
-            limit[base[cache.slot]][t] = start + t
-    # Every index of the layout in one tensor, moved to the device in one copy.
-    parts = (rows, slots, positions, padded, back, [x for slot_limits in limit for x in slot_limits])
-    packed = torch.tensor([x for part in parts for x in part], dtype=torch.long).to(device)
-    rows_t, slots_t, positions_t, padded_t, back_t, limits = packed.split([len(part) for part in parts])
-    limits = limits.view(len(base), block)
-    layout_runs = []
-    for first, end, keys in runs:
-        seen = (limits[base[first] : base[first] + end - first] + 1).to(torch.int32)
-        layout_runs.append(SlotRun(first, end, aligned_keys(keys, pool.slot_capacity, device), seen))
-    layout = PooledRows(pool, rows_t, slots_t, positions_t, padded_t, back_t, block, tuple(layout_runs))
-    return layout, [i for i in range(len(spans)) if i not in set(pooled)]
+            limits[place] = start + t
+    laid_runs = tuple((first, end, aligned_keys(keys, pool.slot_capacity)) for first, end, keys in runs)
+    plan = PooledPlan(
+        pool,
+        (rows, slots, positions, padded, back, limits),
+        laid_runs,
+        tuple(base[first] for first, _, _ in runs),
+        block,
+    )
+    return plan, [i for i in range(len(spans)) if i not in set(pooled)]
+
+
+def pooled_rows(
+    spans: Sequence[tuple[KVCache, int, int]], max_rows: int, kernel: bool = False
+) -> tuple[PooledRows | None, list[int]]:
+    """plan_pooled's layout on the pool's device, moved on its own (a forward moves it with the
+    rest of its step: SublayerModel.rows)."""
+    plan, own = plan_pooled(spans, max_rows)
+    if plan is None:
+        return None, own
+    packed = torch.tensor([x for part in plan.parts for x in part], dtype=torch.long).to(plan.pool.keys.device)
+    return plan.on_device(packed.split([len(part) for part in plan.parts]), kernel), own
 
 
 def kernel_ranges(sizes: Sequence[int], max_packed_rows: int) -> list[tuple[int, int, bool]]:

@@ -18,32 +18,20 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.model import items
-from pipeline.model.attention import Attention, BatchRows, Branches
+from pipeline.model.attention import Attention, Branches
 from pipeline.model.context import check_context, max_context_of, prefill_chunk_for, prefill_in_chunks
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.kv_pool import KVPool, PooledCache
 from pipeline.model.layers import apply_rotary, rms_norm, silu_mul
 from pipeline.model.linear import KERNEL_MAX_ROWS, ComputeMode, Linear
-from pipeline.model.packing import RequestRows, check_logit_choices, kernel_ranges, packed_logits, ranged_linear
+from pipeline.model.packing import RequestRows, check_logit_choices, packed_logits, ranged_linear
 from pipeline.model.precision import Exactness, exactness
 from pipeline.model.rotary import RotaryTables
 from pipeline.model.short_attention import KERNEL_ROUTE, MATMUL_ROUTE, kernel_applies, rms_norm_rows
 from pipeline.model.spec import ModelSpec
+from pipeline.model.staging import HostStaging
+from pipeline.model.step_rows import Rows, step_rows
 from pipeline.model.weights import LayerWeights, read_weights
-
-
-@dataclass(frozen=True)
-class Rows:
-    """What every item of one forward needs of its rows, made once per forward: how attention
-    serves them, the rotary tables at their positions [rows, 1, head_dim], the [B, T] they fold
-    into (B > 1: the DP's branches), and the linears' kernel ranges (packing.kernel_ranges;
-    None: each linear by its row count)."""
-
-    attention: BatchRows | Branches
-    cos: torch.Tensor
-    sin: torch.Tensor
-    shape: tuple[int, int]
-    ranges: list[tuple[int, int, bool]] | None
 
 
 @dataclass
@@ -84,6 +72,7 @@ class SublayerModel:
         # with a shard of the heads and MLP columns, o_proj and down_proj give partial sums.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.pooled_caches = True  # a batch's caches are slots of one KVPool
+        self.staging = HostStaging(self.device)  # every forward's metadata, in one copy
 
     # ----------------------------------------------------------------- loading
 
@@ -169,24 +158,32 @@ class SublayerModel:
         """The forward itself: each block's logits, and with `return_hidden` the packed residual
         stream before item 0 and after each item [num_items + 1, M, d]."""
         wanted = check_logit_choices(blocks, logits)
-        sizes = [block.token_ids.shape[0] for block in blocks]
-        ids = blocks[0].token_ids if len(blocks) == 1 else torch.cat([block.token_ids for block in blocks])
-        h = self.embed[ids.to(self.device)]  # [M, d]
-        out, hidden = self.run_layers([(b.cache, b.start, n) for b, n in zip(blocks, sizes)], h, skip, return_hidden)
-        return self.batch_logits(out, wanted, sizes), torch.cat([h[None], hidden]) if return_hidden else None
+        spans = [(block.cache, block.start, len(block.token_ids)) for block in blocks]
+        return self.run_step(self.rows(spans, [block.token_ids for block in blocks], wanted), skip, return_hidden)
+
+    def run_step(
+        self, rows: Rows, skip: Collection[int] = (), return_hidden: bool = False
+    ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+        """A forward over rows made by `rows` with their token ids and logit choices: from there
+        on every index it reads is on the device, and nothing waits on the host
+        (tests/model/test_step_on_device.py)."""
+        h = self.embed[rows.token_ids]  # [M, d]
+        out, hidden = self._run_items(rows, h, skip, return_hidden)
+        return self.batch_logits(out, rows), torch.cat([h[None], hidden]) if return_hidden else None
 
     @torch.inference_mode()
     def run_layers(
-        self,
-        spans: Sequence[tuple[KVCache, int, int]],
-        h: torch.Tensor,
-        skip: Collection[int] = (),
-        return_hidden: bool = False,
+        self, rows: Rows, h: torch.Tensor, skip: Collection[int] = (), return_hidden: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The packed residual stream [M, d] of requests through every item not in `skip`; `spans`
-        gives each request's (cache, start, rows) in the order of the rows. With `return_hidden`,
-        also the stream after each item [num_items, M, d]."""
-        rows = self.rows(spans)
+        """The packed residual stream [M, d] of requests through every item not in `skip`, over
+        `rows` (SublayerModel.rows). With `return_hidden`, also the stream after each item
+        [num_items, M, d]."""
+        return self._run_items(rows, h, skip, return_hidden)
+
+    def _run_items(
+        self, rows: Rows, h: torch.Tensor, skip: Collection[int], return_hidden: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # Not under inference_mode of its own: a compiled step (torch.compile) runs it under no_grad.
         hidden = [] if return_hidden else None
         for item in range(2 * len(self.layers)):
             if item not in skip:
@@ -195,27 +192,23 @@ class SublayerModel:
                 hidden.append(h)
         return h, torch.stack(hidden) if hidden is not None else None
 
-    def rows(self, spans: Sequence[tuple[KVCache, int, int]]) -> Rows:
-        """What every item of a forward over `spans` (cache, start, rows) needs of its rows."""
-        for cache, start, n in spans:
-            cache.check_room(start + n)
-        cos, sin = self.rotary.up_to(max(start + n for _, start, n in spans))
-        if len(spans) == 1:
-            _, start, n = spans[0]
-            cos, sin = cos[start : start + n], sin[start : start + n]
-        else:  # each row at its own request's position
-            positions = torch.cat([torch.arange(start, start + n, device=self.device) for _, start, n in spans])
-            cos, sin = cos[positions], sin[positions]
-        sizes = [n for _, _, n in spans]
-        # Each request's rows through the kernel they would take alone (packed weights: by its own rows).
-        ranges = kernel_ranges(sizes, KERNEL_MAX_ROWS) if self.lm_head.packed else None
-        return Rows(BatchRows.of(spans, self.device), cos, sin, (1, sum(sizes)), ranges)
+    def rows(
+        self,
+        spans: Sequence[tuple[KVCache, int, int]],
+        token_ids: Sequence[torch.Tensor | Sequence[int]] | None = None,
+        logits: Sequence[str] | None = None,
+    ) -> Rows:
+        """What every item of a forward over `spans` (cache, start, rows) needs of its rows, with
+        each block's `token_ids` and `logits` choice where the embedding and the LM head run too
+        (step_rows.py: the host's part moved to the device in one copy)."""
+        return step_rows(spans, token_ids, logits, self.staging, self.rotary, self._kernel, self.lm_head.packed)
 
-    def batch_logits(self, h: torch.Tensor, wanted: Sequence[str], sizes: Sequence[int]) -> list[torch.Tensor | None]:
+    def batch_logits(self, h: torch.Tensor, rows: Rows) -> list[torch.Tensor | None]:
         """The LM head once over the packed rows [M, d] that need logits, split back per request."""
-        rows = [n if choice == "all" else 1 for choice, n in zip(wanted, sizes) if choice != "none"]
-        packed = all(n <= KERNEL_MAX_ROWS for n in rows)  # the kernel each request's rows get alone
-        return packed_logits(lambda x: self.logits(x, packed), h, wanted, sizes)
+        wanted, sizes = rows.logits, rows.sizes
+        needed = [n if choice == "all" else 1 for choice, n in zip(wanted, sizes) if choice != "none"]
+        packed = all(n <= KERNEL_MAX_ROWS for n in needed)  # the kernel each request's rows get alone
+        return packed_logits(lambda x: self.logits(x, packed), h, wanted, sizes, rows.logit_index)
 
     def logits(self, h: torch.Tensor, packed: bool | None = None) -> torch.Tensor:
         """Final norm and LM head: residual stream [rows, d] -> float32 logits [rows, V]."""

@@ -110,12 +110,12 @@ class StageModel:
         each one's choice; None on the other stages); and, when asked, the residual stream after
         each of this stage's items [2 * layers, M, d]."""
         local_skip = {self.layout.local_item(item) for item in skip if item in self.layout.items}
-        h = self.local.embed_tokens(inputs) if self.layout.has_embeddings else inputs
         spans = [(self.caches[r], start, n) for r, start, n in zip(request_ids, starts, sizes)]
-        h, hidden = self.local.run_layers(spans, h, local_skip, return_hidden)
-        if self.layout.has_head and logits is not None:
-            return self.local.batch_logits(h, logits, sizes), hidden
-        return h, hidden
+        head = self.layout.has_head and logits is not None
+        rows = self.local.rows(spans, logits=logits if head else None)
+        h = self.local.embed_tokens(inputs) if self.layout.has_embeddings else inputs
+        h, hidden = self.local.run_layers(rows, h, local_skip, return_hidden)
+        return (self.local.batch_logits(h, rows) if head else h), hidden
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.local.embed_tokens(token_ids)
@@ -301,13 +301,13 @@ class PipelineModel:
         (and that holds neither the embeddings nor the head) is bypassed, no hop, unless the
         residual stream after every item is asked for."""
         wanted = check_logit_choices(blocks, logits)
-        sizes = [block.token_ids.shape[0] for block in blocks]
+        sizes = [len(block.token_ids) for block in blocks]
         for block, size in zip(blocks, sizes):
             block.cache.check_room(block.start + size)
         ids = [block.cache.request_id for block in blocks]
         starts = [block.start for block in blocks]
         skip = frozenset(skip)
-        token_ids = torch.cat([block.token_ids for block in blocks])
+        token_ids = torch.cat([torch.as_tensor(block.token_ids) for block in blocks])
         x: Any = token_ids
         parts: list[Any] = []
         last = len(self.links) - 1

@@ -32,7 +32,7 @@ class BreaksOnPoison:
 
     def forward_batch(self, blocks, **kwargs):
         self.forwards += 1
-        if self.always or any(POISON in block.token_ids.tolist() for block in blocks):
+        if self.always or any(POISON in list(block.token_ids) for block in blocks):
             raise RuntimeError("a kernel broke on this request")
         return self.model.forward_batch(blocks, **kwargs)
 

@@ -96,10 +96,10 @@ def test_requests_in_one_kv_pool_attend_together(tiny_checkpoint, mode):
         assert_as_promised(model, t.values[:, :, :end], a.values[:, :, :end], logits=False)
 
 
-def test_keys_read_in_aligned_widths_are_masked(tiny_checkpoint, monkeypatch):
-    """As on CUDA (layers.CUDA_KEY_ALIGN): short blocks read their keys rounded up to a multiple
-    of 8, alone and pooled; the keys past each query's position (stale ones here: large junk)
-    are masked, so the logits are those of exactly the keys it sees."""
+def test_keys_read_in_bucket_widths_are_masked(tiny_checkpoint):
+    """Short blocks read their keys rounded up to a bucket (layers.KEY_BUCKET), alone and pooled;
+    the keys past each query's position (stale ones here: large junk) are masked, so the logits
+    are those of exactly the keys it sees."""
     import pipeline.model.layers as layers
 
     _, model = load_tiny(tiny_checkpoint)
@@ -114,8 +114,7 @@ def test_keys_read_in_aligned_widths_are_masked(tiny_checkpoint, monkeypatch):
         end = cache.length + 4
         cache.keys[:, :, end:] = 1e4  # junk past what any query sees
         cache.values[:, :, end:] = -1e4
-    monkeypatch.setattr(layers, "key_align", lambda device: 8)
-    assert layers.aligned_keys(94, 128, torch.device("cpu")) == 96
+    assert layers.KEY_BUCKET == 32 and layers.aligned_keys(94, 136) == 96 and layers.aligned_keys(130, 136) == 136
     got = model.forward_batch([RequestRows(c, r, c.length) for c, r in zip(together, rows)])
     got_single = model.forward(single, rows[1], single.length, logits="all").logits
     for g, e in zip([*got, got_single], [*expected, expected[1]]):
@@ -147,7 +146,8 @@ def test_idle_slots_far_apart_split_the_pooled_attention(tiny_llama):
     order = [7, 1, 5, 0]  # the batch's rows in another order than their slots
     blocks = [RequestRows(together[slot], rows[slot], together[slot].length) for slot in order]
     layout, own = pooled_rows([(b.cache, b.start, b.token_ids.numel()) for b in blocks], 16)
-    assert not own and [(r.first, r.end, r.num_keys) for r in layout.runs] == [(0, 2, 301), (5, 8, 281)]
+    # Each run reads its longest context's keys, in a bucket of 32 (301 -> 320, 281 -> 288).
+    assert not own and [(r.first, r.end, r.num_keys) for r in layout.runs] == [(0, 2, 320), (5, 8, 288)]
     got = model.forward_batch(blocks)
     for g, slot in zip(got, order):
         alone = prefilled(model, ids(slot, lengths[slot]), room=8)

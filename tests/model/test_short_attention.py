@@ -125,7 +125,12 @@ def test_pooled_slots_get_the_bits_of_their_request_alone():
     layout, rest = pooled_rows(spans, max_rows=16)
     assert rest == []
     pooled = pooled_attention(torch.cat(qs), layout, 0, KV_HEADS, kernel=True)
-    alone = [kernel_attention(q, *cache.view(0, start + n), start, KV_HEADS) for q, (cache, start, n) in zip(qs, spans)]
+    alone = [
+        kernel_attention(
+            q, *cache.view(0, start + n), torch.arange(start + 1, start + n + 1, dtype=torch.int32)[None], KV_HEADS
+        )
+        for q, (cache, start, n) in zip(qs, spans)
+    ]
     assert torch.equal(pooled, torch.cat(alone))
     # And both are the matmuls' attention, up to rounding.
     torch.testing.assert_close(pooled, pooled_attention(torch.cat(qs), layout, 0, KV_HEADS), atol=1e-5, rtol=1e-4)

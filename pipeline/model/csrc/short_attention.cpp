@@ -275,12 +275,22 @@ void tile_values(const float* scores, int64_t m0, int64_t rows, int64_t reach, c
 #endif
 }
 
+// The most keys any row sees. Read from the CPU tensor's memory, not through limits.max().item():
+// an operator that would return a scalar to the host is what a device step must never run, and
+// the checks of a step's forward look for it.
+static int64_t max_limit(const torch::Tensor& limits) {
+  const int32_t* lp = limits.data_ptr<int32_t>();
+  int32_t most = 0;
+  for (int64_t i = 0; i < limits.numel(); ++i) most = std::max(most, lp[i]);
+  return most;
+}
+
 // T: the cache's element, float or uint16_t (bf16's bits).
 template <int64_t D, typename T>
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                      const torch::Tensor& limits) {
   const int64_t num_slots = q.size(0), num_heads = q.size(1), num_rows = q.size(2), block = limits.size(1);
-  const int64_t max_keys = limits.numel() ? limits.max().item<int32_t>() : 0;
+  const int64_t max_keys = max_limit(limits);
   const int64_t num_chunks = std::max<int64_t>((max_keys + kChunk - 1) / kChunk, 1);
   const int64_t groups = num_rows / block;
   auto options = q.options();
@@ -383,7 +393,7 @@ torch::Tensor short_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor
   TORCH_CHECK(limits.dim() == 2 && limits.scalar_type() == torch::kInt32 && limits.is_contiguous() &&
                   limits.size(0) == q.size(0) && limits.size(1) > 0 && q.size(2) % limits.size(1) == 0,
               "limits: [S, T] int32, T dividing q's rows");
-  TORCH_CHECK(limits.numel() == 0 || limits.max().item<int32_t>() <= keys.size(1), "a limit past the keys");
+  TORCH_CHECK(max_limit(limits) <= keys.size(1), "a limit past the keys");
   switch (q.size(3)) {
     case 16: return bf16 ? attend<16, uint16_t>(q, keys, values, limits) : attend<16, float>(q, keys, values, limits);
     case 32: return bf16 ? attend<32, uint16_t>(q, keys, values, limits) : attend<32, float>(q, keys, values, limits);
