@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.cli import add_calibration_dir_argument, add_repetition_arguments, load_documents, sampling_params
+from job_cli import add_calibration_dir_argument, add_repetition_arguments, load_documents, sampling_params
 from pipeline.decoding.decode import decode, decode_requests
 from pipeline.decoding.drafters import LayerSkipDrafter
 from pipeline.decoding.loop import DecodeConfig, DecodingRequest, GenerationResult, Prefilled, prefill

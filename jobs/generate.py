@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.cli import (
+from job_cli import (
     Parser,
     add_calibration_dir_argument,
     add_sampling_arguments,

@@ -25,7 +25,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
-from pipeline.cli import (
+from job_cli import (
     Parser,
     add_calibration_dir_argument,
     add_sampling_arguments,

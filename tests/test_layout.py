@@ -30,7 +30,7 @@ ALLOWED = {
     "decoding": {"model"},
     "knapspec": {"model", "decoding"},
     "parallel": {"model", "decoding", "knapspec"},
-    "summarization": {"model", "decoding", "knapspec", "parallel", "engine", "cli"},
+    "summarization": {"model", "decoding", "knapspec", "parallel", "engine"},
 }
 
 

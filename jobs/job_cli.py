@@ -1,5 +1,10 @@
 """What the command-line jobs share: settings checked before anything loads, and every
-usage problem ending in one `error:` line and exit code 2."""
+usage problem ending in one `error:` line and exit code 2.
+
+The jobs import it by its bare name: a script runs with its own folder first on the path.
+Nothing that runs inside Ray (actors, Ray Data tasks) imports it, so a cluster's workers,
+which do not have jobs/ on their path, never need it.
+"""
 
 from __future__ import annotations
 
