@@ -43,6 +43,26 @@ def positive_float(value: str) -> float:
     return number
 
 
+def fraction(value: str) -> float:
+    try:
+        share = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value!r}") from None
+    if not 0 <= share <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {share}")
+    return share
+
+
+def non_negative_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r}") from None
+    if not number >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {number}")
+    return number
+
+
 def _int_at_least(minimum: int) -> Callable[[str], int]:
     def parse(value: str) -> int:
         try:
