@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.cli import load_documents, run_reporting_errors
+from job_cli import load_documents, run_reporting_errors
 from pipeline.decoding.decode import decode
 from pipeline.decoding.drafters import LayerSkipDrafter
 from pipeline.decoding.loop import DecodeConfig, prefill

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.cli import (
+from job_cli import (
     Parser,
     add_calibration_dir_argument,
     check_device,

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.cli import Parser, run_reporting_errors
+from job_cli import Parser, run_reporting_errors
 from pipeline.decoding.decode import decode
 from pipeline.decoding.loop import DecodeConfig, prefill
 from pipeline.decoding.prompt_lookup import PromptLookupDrafter

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.cli import positive_int, run_reporting_errors
+from job_cli import positive_int, run_reporting_errors
 from pipeline.logs import configure_logging
 
 REPO = Path(__file__).resolve().parent.parent

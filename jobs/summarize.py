@@ -25,10 +25,12 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
-from pipeline.cli import (
+from job_cli import (
     Parser,
     add_calibration_dir_argument,
     add_sampling_arguments,
+    fraction,
+    non_negative_float,
     positive_float,
     positive_int,
     run_reporting_errors,
@@ -59,26 +61,6 @@ def _output_folder(value: str) -> Path:
             f"{value!r} is a URI; the output is a folder path, local or on a filesystem every node mounts"
         )
     return Path(value)
-
-
-def _fraction(value: str) -> float:
-    try:
-        share = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value!r}") from None
-    if not 0 <= share <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {share}")
-    return share
-
-
-def _non_negative_float(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r}") from None
-    if not number >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {number}")
-    return number
 
 
 def _share_or_off(value: str) -> float | None:
@@ -124,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     data.add_argument(
         "--max-error-fraction",
-        type=_fraction,
+        type=fraction,
         default=DEFAULT_MAX_ERROR_FRACTION,
         help="exit with status 1 when more than this share of the rows failed by their input (any row failed by "
         f"the infrastructure always does); every row is written either way (default {DEFAULT_MAX_ERROR_FRACTION})",
@@ -225,7 +207,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     cluster.add_argument(
         "--request-timeout-per-token",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=DEFAULT_REQUEST_TIMEOUT.per_token_s,
         metavar="SECONDS",
         help=f"see --request-timeout (default {DEFAULT_REQUEST_TIMEOUT.per_token_s:g})",

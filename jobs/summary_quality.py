@@ -147,7 +147,7 @@ class PrefilledCalls:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from pipeline.cli import Parser, positive_int
+    from job_cli import Parser, positive_int
 
     parser = Parser(prog="summary_quality.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", type=Path, default=REPO / "data" / "sample.jsonl", help="a .jsonl file")
@@ -266,7 +266,7 @@ def _fmt(value) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.cli import run_reporting_errors
+    from job_cli import run_reporting_errors
     from pipeline.logs import configure_logging
 
     args = parse_args(argv)

@@ -7,9 +7,8 @@
 - `summarization/`: the summarization job's data stages;
 - `engine.py`: the front door — load a model once, generate a batch with any strategy;
 - `strategies.py`: the decoding strategies and how each builds a request's drafter;
-- `errors.py`, `logs.py`, `locks.py`, `cli.py`: shared by all: the error hierarchy, logging set-up,
-  lock files that name their holder, and
-  what the command-line jobs check and report alike.
+- `errors.py`, `logs.py`, `locks.py`: shared by all: the error hierarchy, logging set-up, and
+  lock files that name their holder.
 
 Nothing here imports `actors`, `jobs` or `profiling` (tests/test_layout.py checks the rules).
 """

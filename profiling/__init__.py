@@ -1,1 +1,2 @@
-"""Latency microbenchmarks, the latency-model fit and the calibration store."""
+"""Latency microbenchmarks, the latency-model fit and the calibration store; and the decoding
+benchmark that jobs/benchmark.py drives (`benchmark/`)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -11,7 +12,13 @@ import pytest
 # Ray reads this once, when it is imported: every cluster a test starts stays on 127.0.0.1.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-from pipeline.cli import CALIBRATION_DIR_ENV  # noqa: E402
+# A job runs as a script, its folder first on the path, and imports the module the jobs share
+# (job_cli) by its bare name: jobs/ is a folder of scripts, not a package. The tests load the
+# scripts as modules and use that module too, so they need the folder on the path as well;
+# appended, so that no script's name can hide an installed module.
+sys.path.append(str(Path(__file__).resolve().parent.parent / "jobs"))
+
+from job_cli import CALIBRATION_DIR_ENV  # noqa: E402
 from tests.builders import TINY_FAMILIES, make_tiny_chat_checkpoint, make_tiny_checkpoint  # noqa: E402
 
 # Latency tables the tests measure (cut-short sweeps on a loaded machine) go to a store of the

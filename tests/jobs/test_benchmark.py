@@ -1,4 +1,5 @@
-"""jobs/benchmark.py end to end on a reduced setting: records, forced candidates, plot."""
+"""jobs/benchmark.py end to end on a reduced setting (records, forced candidates, plot), and
+the parts of the benchmark module it drives (profiling/benchmark/)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,18 @@ import json
 
 import pytest
 
+from profiling.benchmark.records import BatchRun, Record, search_share
+from profiling.benchmark.runs import run_order
+from profiling.benchmark.summary import pearson, summarize
+from profiling.benchmark.tables import format_forced, format_summary
+from profiling.benchmark.verify_costs import TARGET_BATCH_SPEEDUP
 from tests.builders import load_job
 
 
 def test_pearson():
-    benchmark = load_job("benchmark.py", "benchmark_script")
-    assert benchmark.pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
-    assert benchmark.pearson([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
-    assert benchmark.pearson([1, 2], [1, 2]) is None
+    assert pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
+    assert pearson([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert pearson([1, 2], [1, 2]) is None
 
 
 def test_strategies_by_bare_name_or_with_a_mode():
@@ -36,18 +41,15 @@ def test_strategies_by_bare_name_or_with_a_mode():
 
 
 def test_runs_alternate_their_order():
-    benchmark = load_job("benchmark.py", "benchmark_script")
     pairs = [("ar", "fp16w"), ("knapspec", "fp16w"), ("ar-control", "fp16w")]
-    assert benchmark.run_order(pairs, 0) == pairs
-    assert benchmark.run_order(pairs, 1) == pairs[::-1]
-    assert benchmark.run_order(pairs, 2) == pairs
+    assert run_order(pairs, 0) == pairs
+    assert run_order(pairs, 1) == pairs[::-1]
+    assert run_order(pairs, 2) == pairs
 
 
 def test_a_batch_search_counts_against_the_batch_decode_time():
     from pipeline.decoding.loop import GenerationResult
     from pipeline.decoding.stats import GenerationStats
-
-    benchmark = load_job("benchmark.py", "benchmark_script")
 
     def result(optimize_s=None, decode_s=10.0):
         extra = {} if optimize_s is None else {"optimize_s": optimize_s}
@@ -56,10 +58,10 @@ def test_a_batch_search_counts_against_the_batch_decode_time():
     # A batch planner's search of 0.4 s, a quarter carried by each of four requests, and a
     # last request's own search of 0.1 s: 0.5 s in which none of the batch decoded.
     batch = [result(0.1), result(0.1), result(0.1, decode_s=6.0), result(0.2, decode_s=8.0)]
-    run = benchmark.BatchRun(batch, decode_s=10.0, prefill_s=1.0)
-    assert benchmark.search_share(run) == pytest.approx(0.05)
-    assert benchmark.search_share(benchmark.BatchRun([result(0.3)], decode_s=6.0, prefill_s=1.0)) == pytest.approx(0.05)
-    assert benchmark.search_share(benchmark.BatchRun([result(), result()], decode_s=5.0, prefill_s=1.0)) is None
+    run = BatchRun(batch, decode_s=10.0, prefill_s=1.0)
+    assert search_share(run) == pytest.approx(0.05)
+    assert search_share(BatchRun([result(0.3)], decode_s=6.0, prefill_s=1.0)) == pytest.approx(0.05)
+    assert search_share(BatchRun([result(), result()], decode_s=5.0, prefill_s=1.0)) is None
 
 
 def test_the_full_batch_rate_counts_only_the_steps_the_whole_batch_ran():
@@ -67,18 +69,17 @@ def test_the_full_batch_rate_counts_only_the_steps_the_whole_batch_ran():
     from pipeline.decoding.scheduler import StepRecord
     from pipeline.decoding.stats import GenerationStats
 
-    benchmark = load_job("benchmark.py", "benchmark_script")
     results = [GenerationResult([1] * 9, GenerationStats(), "length") for _ in range(3)]
     # Three requests: two steps of all three (6 and 9 tokens), then one left alone at a slower rate.
     steps = [StepRecord(3, 6, 0.5), StepRecord(3, 9, 0.5), StepRecord(1, 2, 2.0)]
-    run = benchmark.BatchRun(results, decode_s=3.0, prefill_s=1.0, steps=steps)
+    run = BatchRun(results, decode_s=3.0, prefill_s=1.0, steps=steps)
     assert run.tokens_per_s == pytest.approx(24 / 3.0)
     assert run.full_batch_tokens_per_s == pytest.approx(15 / 1.0)
-    assert benchmark.BatchRun(results, decode_s=3.0, prefill_s=1.0).full_batch_tokens_per_s is None  # untimed steps
+    assert BatchRun(results, decode_s=3.0, prefill_s=1.0).full_batch_tokens_per_s is None  # untimed steps
 
 
-def record(benchmark, strategy, context, speedup, predicted=None, measured=10.0, share=None, equal=True):
-    return benchmark.Record(
+def record(strategy, context, speedup, predicted=None, measured=10.0, share=None, equal=True):
+    return Record(
         strategy=strategy, dtype="fp16w", doc_id="d", context_tokens=context, new_tokens=64,
         tokens_per_s=measured, prefill_s=1.0, speedup_vs_ar=speedup, acceptance_rate=0.0, mean_accepted_len=1.0,
         tokens_equal_ar=equal, repeats=2, predicted_tpt=predicted, dp_overhead_frac=share, skipped_attn=None,
@@ -87,16 +88,15 @@ def record(benchmark, strategy, context, speedup, predicted=None, measured=10.0,
 
 
 def test_summary_per_length_and_prediction_error():
-    benchmark = load_job("benchmark.py", "benchmark_script")
     records = [
-        record(benchmark, "ar", 503, 1.0),
-        record(benchmark, "knapspec", 503, 0.9, predicted=12.0, share=0.02),
-        record(benchmark, "knapspec", 498, 1.1, predicted=8.0, share=0.04),
-        record(benchmark, "knapspec", 2040, 1.0, predicted=10.0, share=0.0, equal=False),
-        record(benchmark, "lookup", 2040, 2.0),
+        record("ar", 503, 1.0),
+        record("knapspec", 503, 0.9, predicted=12.0, share=0.02),
+        record("knapspec", 498, 1.1, predicted=8.0, share=0.04),
+        record("knapspec", 2040, 1.0, predicted=10.0, share=0.0, equal=False),
+        record("lookup", 2040, 2.0),
     ]
     forced = [{"predicted_tpt": 10.0, "measured_tpt": 8.0}] * 2 + [{"predicted_tpt": 6.0, "measured_tpt": 5.0}]
-    summary = benchmark.summarize(records, forced, ("ar", "fp16w"))
+    summary = summarize(records, forced, ("ar", "fp16w"))
     assert set(summary) == {"knapspec:fp16w", "lookup:fp16w", "forced"}  # not the reference itself
     knapspec = summary["knapspec:fp16w"]
     assert knapspec["by_length"][500] == pytest.approx({"geomean": (0.9 * 1.1) ** 0.5, "min": 0.9, "max": 1.1, "n": 2})
@@ -106,7 +106,7 @@ def test_summary_per_length_and_prediction_error():
     assert not knapspec["all_tokens_equal_ar"]
     assert summary["lookup:fp16w"]["mean_abs_prediction_error"] is None
     assert summary["forced"]["mean_abs_prediction_error"] == pytest.approx(0.25 * 2 / 3 + 0.2 / 3)
-    table = benchmark.format_summary(summary, ("ar", "fp16w"))
+    table = format_summary(summary, ("ar", "fp16w"))
     assert "| ~500 | 0.99× (0.90–1.10) |" in table and "| knapspec:fp16w | 3 | NO | 2.0%, 4.0% | 13% |" in table
 
 
@@ -137,7 +137,7 @@ def test_benchmark_writes_records_and_plot(tmp_path):
     assert 1 <= len(out["forced_candidates"]) <= 2
     assert all(f["predicted_tpt"] > 0 and f["measured_tpt"] > 0 for f in out["forced_candidates"])
     assert all(f["predicted_vs_ar"] > 0 for f in out["forced_candidates"])
-    table = benchmark.format_forced(out["forced_candidates"])
+    table = format_forced(out["forced_candidates"])
     assert table.count("| gao-26-109008 |") == len(out["forced_candidates"])
     assert (tmp_path / "benchmark.png").stat().st_size > 10_000
 
@@ -187,4 +187,4 @@ def test_benchmark_across_batch_sizes(tmp_path):
     for drafted in (1, 2, 4):
         ratio = batch_verify[f"rows_{drafted + 1}_over_1"]
         assert ratio > 0
-        assert batch_verify[f"accepted_needed_{drafted}"] == pytest.approx(benchmark.TARGET_BATCH_SPEEDUP * ratio - 1)
+        assert batch_verify[f"accepted_needed_{drafted}"] == pytest.approx(TARGET_BATCH_SPEEDUP * ratio - 1)

@@ -301,7 +301,7 @@ def test_id_and_ids_exclude_each_other():
 def test_the_jobs_take_the_store_folder_from_the_environment_unless_named(monkeypatch, script, argv, option):
     """The jobs read $KNAPSPEC_CALIBRATION_DIR (nothing below them does) and hand it on; the
     flag wins; with neither, None leaves the cache's calibration/ to the store."""
-    from pipeline.cli import CALIBRATION_DIR_ENV
+    from job_cli import CALIBRATION_DIR_ENV
 
     job = load_job(script, f"{Path(script).stem}_store_option")
     flag = "--store" if option == "store" else "--calibration-dir"

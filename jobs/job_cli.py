@@ -1,5 +1,10 @@
 """What the command-line jobs share: settings checked before anything loads, and every
-usage problem ending in one `error:` line and exit code 2."""
+usage problem ending in one `error:` line and exit code 2.
+
+The jobs import it by its bare name: a script runs with its own folder first on the path.
+Nothing that runs inside Ray (actors, Ray Data tasks) imports it, so a cluster's workers,
+which do not have jobs/ on their path, never need it.
+"""
 
 from __future__ import annotations
 
@@ -35,6 +40,26 @@ def positive_float(value: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
     if number <= 0:
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {number}")
+    return number
+
+
+def fraction(value: str) -> float:
+    try:
+        share = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value!r}") from None
+    if not 0 <= share <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {share}")
+    return share
+
+
+def non_negative_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r}") from None
+    if not number >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {number}")
     return number
 
 
