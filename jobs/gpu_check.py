@@ -226,9 +226,9 @@ def greedy_equality(device: torch.device) -> dict:
             tensor.mul_(1.0 / tensor.shape[-1] ** 0.5 / 0.02)
         elif name in ("lm_head.weight", "model.embed_tokens.weight"):
             tensor.mul_(5.0 / tensor.shape[-1] ** 0.5 / 0.02)
-    from pipeline.model.sublayer_model import SublayerModel
+    from pipeline.model.loading import model_from_tensors
 
-    model = SublayerModel.from_tensors(config, spec_tensors, ComputeMode.FP32, device)
+    model = model_from_tensors(config, spec_tensors, ComputeMode.FP32, device)
     generator = torch.Generator().manual_seed(3)
     phrase = torch.randint(3, config.vocab_size, (8,), generator=generator)
     prompts = [torch.cat([torch.randint(3, config.vocab_size, (n,), generator=generator), phrase, phrase]) for n in
@@ -266,7 +266,7 @@ def greedy_equality(device: torch.device) -> dict:
             failures.append(
                 f"request {ticket}: token {first} differs at a top-2 gap of {gap:.2e} (tie gap {bound:.2e})"
             )
-    bf16 = SublayerModel.from_tensors(config, spec_tensors, ComputeMode.BF16, device)
+    bf16 = model_from_tensors(config, spec_tensors, ComputeMode.BF16, device)
     drift = row_drift(bf16, prompts[1][:120], prompts[1][120:140].tolist(), (2, 5, 11))
     if drift > bf16.exactness.drift:
         failures.append(f"bf16 logits drift {drift:.3g} of their largest, over the bound {bf16.exactness.drift:g}")

@@ -27,6 +27,7 @@ from pipeline.errors import ConfigError
 from pipeline.knapspec.latency import LatencyModel
 from pipeline.model import checkpoint
 from pipeline.model.linear import ComputeMode, resolve_compute_mode
+from pipeline.model.loading import model_from_tensors
 from pipeline.model.sublayer_model import SublayerModel
 from pipeline.strategies import (  # noqa: F401 (the strategies' names, where users import them from)
     REGISTRY,
@@ -86,7 +87,7 @@ class Engine:
         self.hf_config = checkpoint.load_config(self.path)
         self.tokenizer = checkpoint.load_tokenizer(self.path)
         if model is None:
-            model = SublayerModel.from_tensors(
+            model = model_from_tensors(
                 self.hf_config, checkpoint.read_tensors(self.path), self.mode, self.device
             )
         self.model = model

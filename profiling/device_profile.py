@@ -19,6 +19,7 @@ import torch
 
 from pipeline.knapspec.latency import LatencyModel
 from pipeline.model.linear import ComputeMode
+from pipeline.model.loading import model_from_tensors
 from pipeline.model.spec import ModelSpec
 from pipeline.model.sublayer_model import SublayerModel
 from profiling.calibration import CalibrationStore
@@ -84,7 +85,7 @@ def shaped_model(
     config.num_hidden_layers = num_layers
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:num_layers]
-    return SublayerModel.from_tensors(config, shaped_tensors(spec, num_layers, device, seed), mode, device)
+    return model_from_tensors(config, shaped_tensors(spec, num_layers, device, seed), mode, device)
 
 
 def device_calibration(

@@ -90,10 +90,10 @@ def load_tiny(path: Path, mode: str = "fp32"):
     """(HF model, our SublayerModel) of a tiny checkpoint."""
     from pipeline.model import checkpoint
     from pipeline.model.linear import ComputeMode
-    from pipeline.model.sublayer_model import SublayerModel
+    from pipeline.model.loading import model_from_tensors
 
     config = checkpoint.load_config(path)
-    model = SublayerModel.from_tensors(config, checkpoint.read_tensors(path), ComputeMode(mode))
+    model = model_from_tensors(config, checkpoint.read_tensors(path), ComputeMode(mode))
     return checkpoint.load_hf_model(path), model
 
 

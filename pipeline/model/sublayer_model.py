@@ -12,14 +12,14 @@ and one attention entry point (`pipeline.model.attention`); the layer math itsel
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pipeline.model import items
 from pipeline.model.attention import Attention, Branches
-from pipeline.model.context import check_context, max_context_of, prefill_chunk_for, prefill_in_chunks
+from pipeline.model.context import check_context, prefill_chunk_for, prefill_in_chunks
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.kv_pool import KVPool, PooledCache
 from pipeline.model.layers import apply_rotary, rms_norm, silu_mul
@@ -31,7 +31,7 @@ from pipeline.model.short_attention import KERNEL_ROUTE, MATMUL_ROUTE, kernel_ap
 from pipeline.model.spec import ModelSpec
 from pipeline.model.staging import HostStaging
 from pipeline.model.step_rows import Rows, step_rows
-from pipeline.model.weights import LayerWeights, read_weights
+from pipeline.model.weights import LayerWeights
 
 
 @dataclass
@@ -73,34 +73,6 @@ class SublayerModel:
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.pooled_caches = True  # a batch's caches are slots of one KVPool
         self.staging = HostStaging(self.device)  # every forward's metadata, in one copy
-
-    # ----------------------------------------------------------------- loading
-
-    @classmethod
-    def from_tensors(
-        cls,
-        config,
-        tensors: Mapping[str, torch.Tensor],
-        mode: ComputeMode,
-        device: torch.device | str = "cpu",
-    ) -> SublayerModel:
-        """Build from a Hugging Face config and its state dict (names as in the checkpoint)."""
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-        spec = ModelSpec.from_hf_config(config)
-        device = torch.device(device)
-        weights = read_weights(spec, tensors, mode, device)
-        return cls(
-            spec=spec,
-            layers=weights.layers,
-            embed=weights.embed,
-            final_norm=weights.final_norm,
-            lm_head=weights.lm_head,
-            rotary=LlamaRotaryEmbedding(config).to(device),
-            mode=mode,
-            max_context=max_context_of(config, spec),
-            device=device,
-        )
 
     # ------------------------------------------------------------------ caches
 

@@ -37,9 +37,10 @@ from pipeline.model.context import check_context, prefill_in_chunks
 from pipeline.model.kv_cache import CachePositions, KVCache
 from pipeline.model.kv_pool import KVPool
 from pipeline.model.linear import ComputeMode
+from pipeline.model.loading import model_from_tensors
 from pipeline.model.packing import RequestRows, check_logit_choices
 from pipeline.model.spec import ModelSpec
-from pipeline.model.sublayer_model import ForwardOutput, SublayerModel
+from pipeline.model.sublayer_model import ForwardOutput
 from pipeline.parallel.layout import LAYER_PREFIX, StageLayout, partition_layers, stage_layouts, stage_tensor_filter
 from pipeline.parallel.links import LocalLink, StageLink
 from pipeline.parallel.tensor_parallel import shard_config, shard_reader
@@ -80,7 +81,7 @@ class StageModel:
         )
         self.loaded_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         local_config = shard_config(config, tp_size)
-        self.local = SublayerModel.from_tensors(*_local_view(local_config, spec, layout, tensors), mode, device)
+        self.local = model_from_tensors(*_local_view(local_config, spec, layout, tensors), mode, device)
         self.caches: dict[str, KVCache] = {}
         self.model_name = path.name
 

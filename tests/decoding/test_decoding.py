@@ -153,10 +153,10 @@ def test_speculative_sampling_runs_on_cuda_with_the_requests_own_generator(tiny_
     draw from a CUDA generator (a CPU one raises there), reproducibly per seed."""
     from pipeline.model import checkpoint
     from pipeline.model.linear import ComputeMode
-    from pipeline.model.sublayer_model import SublayerModel
+    from pipeline.model.loading import model_from_tensors
 
     config = checkpoint.load_config(tiny_llama)
-    model = SublayerModel.from_tensors(config, checkpoint.read_tensors(tiny_llama), ComputeMode.FP32, "cuda")
+    model = model_from_tensors(config, checkpoint.read_tensors(tiny_llama), ComputeMode.FP32, "cuda")
     drafter = LayerSkipDrafter([1, 2], model.spec.num_items, max_draft=3, confidence_threshold=0.0)
     params = SamplingParams(temperature=1.0, seed=7)
     assert params.generator(torch.device("cuda")).device.type == "cuda"

@@ -427,10 +427,10 @@ def test_store_measures_a_real_model_once(tiny_model, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_measure_on_cuda(tiny_llama):
     from pipeline.model import checkpoint
-    from pipeline.model.sublayer_model import SublayerModel
+    from pipeline.model.loading import model_from_tensors
 
     config = checkpoint.load_config(tiny_llama)
-    model = SublayerModel.from_tensors(config, checkpoint.read_tensors(tiny_llama), ComputeMode.BF16, "cuda")
+    model = model_from_tensors(config, checkpoint.read_tensors(tiny_llama), ComputeMode.BF16, "cuda")
     calibration = microbench.measure(model, context_lengths=(8, 64, 256), max_verify=3, repeats=2)
     assert calibration.device == torch.cuda.get_device_name(0)
     assert all(t > 0 for t in calibration.t_attn_measured + calibration.t_verify_measured)
