@@ -114,8 +114,14 @@ def accept_greedy(draft_ids: list[int], target_logits: torch.Tensor) -> list[int
 
 def greedy_decision(target_logits: torch.Tensor) -> torch.Tensor:
     """What a greedy verification needs of its logits [n + 1, V], on their device: each row's
-    argmax, then whether it is not finite (a NaN row's argmax is garbage) -> [2 (n + 1)]."""
-    return torch.cat([target_logits.argmax(dim=-1), non_finite(target_logits)])
+    argmax, then whether it is not finite (a NaN row's argmax is garbage) -> [2 (n + 1)].
+
+    One `max` gives both: its indices are argmax's (the first of equal values; a NaN's, since
+    it propagates NaN), and its values are finite exactly where non_finite says so. On CPU it
+    is a third of argmax's time over a vocabulary of 49k (25 against 71 µs, 2 cores), and a
+    batch step takes it once per request."""
+    top, index = target_logits.max(dim=-1)
+    return torch.cat([index, (~torch.isfinite(top)).long()])
 
 
 def greedy_emitted(draft_ids: Sequence[int], decision: Sequence[int]) -> list[int]:
