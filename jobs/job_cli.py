@@ -34,32 +34,26 @@ class Parser(argparse.ArgumentParser):
 
 
 def positive_float(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {number}")
-    return number
+    return _number(value, lambda number: number > 0, "a number > 0")
 
 
 def fraction(value: str) -> float:
-    try:
-        share = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value!r}") from None
-    if not 0 <= share <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {share}")
-    return share
+    return _number(value, lambda number: 0 <= number <= 1, "a number in [0, 1]")
 
 
 def non_negative_float(value: str) -> float:
+    return _number(value, lambda number: number >= 0, "a number >= 0")
+
+
+def _number(value: str, allowed: Callable[[float], bool], expected: str) -> float:
+    """`value` as a number that `allowed` accepts (NaN fails every test), else argparse's error
+    saying what was `expected`."""
     try:
         number = float(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r}") from None
-    if not number >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {number}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}") from None
+    if not allowed(number):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {number}")
     return number
 
 
