@@ -325,3 +325,15 @@ def mixed_drafters(model):
         KnapSpecDrafter(synthetic_latency(model.spec.num_layers, verify_growth=0.0), SEARCH_CONFIG),
         PromptLookupDrafter(),
     ]
+
+
+def pooled_rows(spans, max_rows: int, kernel: bool = False):
+    """The pooled layout a forward over `spans` (cache, start, rows) would make (packing.plan_pooled,
+    moved to the pool's device as step_rows moves it), and the indices of the spans left out."""
+    from pipeline.model.packing import plan_pooled
+    from pipeline.model.staging import HostStaging
+
+    plan, own = plan_pooled(spans, max_rows)
+    if plan is None:
+        return None, own
+    return plan.on_device(HostStaging(plan.pool.keys.device).send(plan.parts), kernel), own

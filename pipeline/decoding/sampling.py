@@ -156,21 +156,6 @@ def raise_if_non_finite(flags: list[int]) -> None:
         )
 
 
-def accept_sampled(
-    draft_ids: list[int],
-    draft_probs: torch.Tensor,
-    target_probs: torch.Tensor,
-    generator: torch.Generator | None,
-) -> list[int]:
-    """Tokens emitted by one speculative-sampling verification.
-
-    draft_probs: [n, V], the distribution each draft token was drawn from;
-    target_probs: [n + 1, V].
-    """
-    check_finite(target_probs)
-    return sampled_emitted(draft_ids, sampled_decision(draft_ids, draft_probs, target_probs, generator).tolist())
-
-
 def sampled_decision(
     draft_ids: Sequence[int],
     draft_probs: torch.Tensor,

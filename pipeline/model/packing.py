@@ -186,18 +186,6 @@ def plan_pooled(spans: Sequence[tuple[KVCache, int, int]], max_rows: int) -> tup
     return plan, [i for i in range(len(spans)) if i not in set(pooled)]
 
 
-def pooled_rows(
-    spans: Sequence[tuple[KVCache, int, int]], max_rows: int, kernel: bool = False
-) -> tuple[PooledRows | None, list[int]]:
-    """plan_pooled's layout on the pool's device, moved on its own (a forward moves it with the
-    rest of its step: SublayerModel.rows)."""
-    plan, own = plan_pooled(spans, max_rows)
-    if plan is None:
-        return None, own
-    packed = torch.tensor([x for part in plan.parts for x in part], dtype=torch.long).to(plan.pool.keys.device)
-    return plan.on_device(packed.split([len(part) for part in plan.parts]), kernel), own
-
-
 def kernel_ranges(sizes: Sequence[int], max_packed_rows: int) -> list[tuple[int, int, bool]]:
     """Row ranges [a, e) of a packed batch and, for each, whether its linears take the packed
     16-bit weights' kernel: a block takes it alone when it has at most `max_packed_rows` rows,

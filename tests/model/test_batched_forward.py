@@ -126,7 +126,8 @@ def test_idle_slots_far_apart_split_the_pooled_attention(tiny_llama):
     ~300 keys each, so the attention is two calls, slots 0-1 and 5-7 (the one idle slot 6 kept:
     cheaper than a third call), each over its own longest context; all as if each ran alone,
     in whatever order the batch has them."""
-    from pipeline.model.packing import pooled_rows, slot_runs
+    from pipeline.model.packing import slot_runs
+    from tests.builders import pooled_rows
 
     assert slot_runs([(0, 300), (1, 40), (5, 280), (7, 30)], 512) == [(0, 2, 300), (5, 8, 280)]
     assert slot_runs([(2, 10), (9, 10)], 512) == [(2, 10, 10)]  # 7 idle slots of 10 keys: one call

@@ -10,7 +10,7 @@ import torch
 from pipeline.model import short_attention as sa
 from pipeline.model.kv_pool import KVPool
 from pipeline.model.layers import kernel_attention, pooled_attention
-from pipeline.model.packing import pooled_rows
+from tests.builders import pooled_rows
 
 pytestmark = pytest.mark.skipif(not sa.cpu_supports_kernel(), reason="needs an x86 CPU with AVX2")
 
