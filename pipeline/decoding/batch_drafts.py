@@ -152,7 +152,7 @@ class DraftBudget:
 
 
 def pooled(caches: Sequence) -> bool:
-    """Whether several caches are slots of one pool: they attend together (packing.pooled_rows)."""
+    """Whether several caches are slots of one pool: they attend together (packing.plan_pooled)."""
     pools = {id(cache.pool) if isinstance(cache, PooledCache) else None for cache in caches}
     return len(caches) > 1 and None not in pools and len(pools) == 1
 
