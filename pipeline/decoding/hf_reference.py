@@ -23,8 +23,9 @@ def prepare_hf_model(model, mode: ComputeMode):
     """Put a float32 transformers model into `mode`, so it compares like with like."""
     if mode is ComputeMode.BF16:
         return model.to(torch.bfloat16)
-    if mode is ComputeMode.FP16W:
-        # Same FBGEMM fp16-weight kernels as our fp16w linears (also for prefill, where ours keep fp32).
+    if mode.fp16_weights:
+        # Same FBGEMM fp16-weight kernels as our fp16w linears (also for prefill, where ours keep
+        # fp32, or bf16 in fp16w-bf16).
         return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.float16)
     return model
 

@@ -31,6 +31,7 @@ from pipeline.model.layers import (
     later_in_block,
     matmul_attention,
     pooled_attention,
+    split_attention,
     ungroup,
     unseen_keys,
 )
@@ -44,7 +45,8 @@ class Span:
     [start, start + rows) of its `cache` (`positions`, on the device). A long block's `mask`
     (layers.block_mask); a short one's keys seen per row, as the fused kernel takes them
     (`seen`, [1, rows] int32), or as the matmuls do: `width` keys read (a bucket,
-    layers.aligned_keys), the ones each row must not see `hidden` [rows, width]."""
+    layers.aligned_keys), the ones each row must not see `hidden` [rows, width]. A long block
+    split at its start (layers.split_attention) needs no mask."""
 
     cache: KVCache
     start: int
@@ -75,18 +77,21 @@ class BatchRows:
         pooled: PooledRows | None,
         positions: torch.Tensor,
         kernel: bool,
+        long_masks: bool = True,
     ) -> BatchRows:
         """From each request's (cache, start, rows) in the order of the rows, the ones attended
         over their own caches (`own`) and the pool's layout of the rest (packing.plan_pooled),
-        every row's position on the device, and whether short blocks take the fused kernel.
-        Every mask is made here, from the device's positions, once per forward."""
+        every row's position on the device, whether short blocks take the fused kernel, and
+        whether long ones need masks (not when split, Attention.split_dtype). Every mask is
+        made here, from the device's positions, once per forward."""
         laid, offset = [], 0
         for j, (cache, start, n) in enumerate(spans):
             at = positions[offset : offset + n]
             if j not in own:
                 laid.append(Span(cache, start, n, offset, None, at))
             elif _takes_fused(n, kernel):
-                laid.append(Span(cache, start, n, offset, block_mask(n, start, positions.device), at))
+                mask = block_mask(n, start, positions.device) if long_masks else None
+                laid.append(Span(cache, start, n, offset, mask, at))
             elif kernel:
                 laid.append(Span(cache, start, n, offset, None, at, seen=(at + 1).to(torch.int32).view(1, n)))
             else:
@@ -122,10 +127,12 @@ class Attention:
     BatchRows) over the rows they describe -> [B * T, H * head_dim]. The rows' own keys and
     values are written into their caches first, except for branches, which only read."""
 
-    def __init__(self, num_kv_heads: int, head_dim: int, kernel: bool) -> None:
+    def __init__(self, num_kv_heads: int, head_dim: int, kernel: bool, split_dtype: torch.dtype | None = None) -> None:
         self.num_kv_heads = num_kv_heads
         self.scale = head_dim**-0.5
         self.kernel = kernel  # the fused CPU kernel for short blocks (short_attention.py)
+        # Long blocks split at their start, in this dtype (layers.split_attention); None: one masked call.
+        self.split_dtype = split_dtype
 
     def __call__(self, layer: int, q, k, v, rows: BatchRows | Branches) -> torch.Tensor:
         if isinstance(rows, Branches):
@@ -157,6 +164,9 @@ class Attention:
         elif span.hidden is not None:
             keys, values = cache.view(layer, span.width)  # [kv_heads, width, head_dim]
             result = matmul_attention(q * self.scale, keys, values, span.hidden, self.num_kv_heads)
+        elif self.split_dtype is not None:
+            keys, values = cache.view(layer, start + q.shape[0])
+            return split_attention(q, keys, values, start, self.scale, self.split_dtype, out)
         else:
             return fused_attention(q, *cache.view(layer, start + q.shape[0]), start, span.mask, self.scale, out)
         return result if out is None else out.copy_(result)

@@ -9,8 +9,10 @@ it is a property of the kernels the mode runs, and it decides what exactness can
   softmax never depend on another row), and row-local norms and element-wise operations. A
   request's greedy tokens are then the same alone, speculative and in any batch, token for
   token, on every CPU, for drafts of up to 31 tokens (a verify within the kernels' 32 rows;
-  `StrategyConfig` refuses longer ones). The `fp16w` and `bf16` modes on x86 CPUs with the
-  kernel build, for head sizes it was built for (16, 32, 64, 128).
+  `StrategyConfig` refuses longer ones). The `fp16w`, `fp16w-bf16` and `bf16` modes on x86 CPUs
+  with the kernel build, for head sizes it was built for (16, 32, 64, 128). A prompt's chunks
+  (oneDNN's bf16 products in fp16w-bf16) are the request's own: their rows depend on its
+  prompt alone, and every strategy prefills alike.
 - **Equal up to a near-tie.** PyTorch's linears and matmuls (MKL, oneDNN, cuBLAS) choose their
   kernels and blocking by the number of rows and by the CPU's instruction set, so a row's
   logits move in their last bits as its neighbours change; in bf16 by several units of its
@@ -43,7 +45,7 @@ from pipeline.model.packing import RequestRows
 # the kernel build (FBGEMM's linears, PyTorch's fp32 attention) 3.1e-6; bf16 through oneDNN
 # 2.8e-2 to 3.8e-2 by instruction set (up to 0.8 at logits near 23: bf16's last place there
 # is 0.125). A GPU's bf16 (cuBLAS) is not measured here.
-MAX_DRIFT = {ComputeMode.FP32: 1e-5, ComputeMode.FP16W: 1e-5, ComputeMode.BF16: 0.075}
+MAX_DRIFT = {ComputeMode.FP32: 1e-5, ComputeMode.FP16W: 1e-5, ComputeMode.FP16W_BF16: 1e-5, ComputeMode.BF16: 0.075}
 
 
 @dataclass(frozen=True)

@@ -163,8 +163,11 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up of an MLP's fused [rows, 2 * I] gate and up -> [rows, I], in its dtype: every
     element through one vector path, so a row's bits depend on that row alone (PyTorch's
-    element-wise kernels split a call between a vector and a scalar exp by rows and threads)."""
-    return _loaded().silu_mul_rows(gate_up.float()).to(gate_up.dtype)
+    element-wise kernels split a call between a vector and a scalar exp by rows and threads).
+    bf16 rows are computed in fp32 and rounded once."""
+    if gate_up.dtype not in (torch.float32, torch.bfloat16):
+        return _loaded().silu_mul_rows(gate_up.float()).to(gate_up.dtype)
+    return _loaded().silu_mul_rows(gate_up)
 
 
 def linear_kernel() -> ModuleType | None:

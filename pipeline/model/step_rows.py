@@ -52,11 +52,13 @@ def step_rows(
     rotary: RotaryTables,
     kernel: bool,
     packed_weights: bool,
+    long_masks: bool = True,
 ) -> Rows:
     """The rows of a forward over `spans` (cache, start, rows); with each block's `token_ids`
     (host lists or tensors, or tensors on the device) and `logits` choices, also what the
     embedding and the LM head need. `kernel`: short blocks attend through the fused CPU kernel;
-    `packed_weights`: the linears have packed 16-bit weights (packing.kernel_ranges)."""
+    `packed_weights`: the linears have packed 16-bit weights (packing.kernel_ranges);
+    `long_masks`: long blocks attend through a mask (not when split, Attention.split_dtype)."""
     for cache, start, n in spans:
         cache.check_room(start + n)
     cos, sin = rotary.up_to(max(start + n for _, start, n in spans))
@@ -80,7 +82,7 @@ def step_rows(
     # Each request's rows through the kernel they would take alone (packed weights: by its own rows).
     ranges = kernel_ranges(sizes, KERNEL_MAX_ROWS) if packed_weights else None
     positions = moved[0]
-    attention = BatchRows.of(spans, own, pooled, positions, kernel)
+    attention = BatchRows.of(spans, own, pooled, positions, kernel, long_masks)
     index = moved[-1] if needs_index else None
     return Rows(attention, cos[positions], sin[positions], (1, sum(sizes)), ranges, sizes, ids, wanted, index)
 

@@ -22,7 +22,7 @@ from pipeline.model.attention import Attention, Branches
 from pipeline.model.context import check_context, prefill_chunk_for, prefill_in_chunks
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.kv_pool import KVPool, PooledCache
-from pipeline.model.layers import apply_rotary, rms_norm, silu_mul
+from pipeline.model.layers import apply_rotary, rms_norm, silu_mul, split_attention_available
 from pipeline.model.linear import KERNEL_MAX_ROWS, ComputeMode, Linear
 from pipeline.model.packing import RequestRows, check_logit_choices, packed_logits, ranged_linear
 from pipeline.model.precision import Exactness, exactness
@@ -65,7 +65,11 @@ class SublayerModel:
         self.rotary = RotaryTables(rotary, spec.head_dim, max_context, self.dtype, device)
         # Decode and verify attention through the fused CPU kernel (fp16w, bf16; fp32 stays transformers' math).
         self._kernel = kernel_applies(mode is not ComputeMode.FP32, torch.device(device), spec.head_dim)
-        self.attention = Attention(spec.num_kv_heads, spec.head_dim, self._kernel)  # every item's attention
+        # Prefill chunks in bf16 on a CPU: split at their start, through its flash kernel, unmasked.
+        split = mode.prefill_dtype == torch.bfloat16 and torch.device(device).type == "cpu"
+        split_dtype = mode.prefill_dtype if split and split_attention_available() else None
+        # Every item's attention.
+        self.attention = Attention(spec.num_kv_heads, spec.head_dim, self._kernel, split_dtype)
         self.attention_route = KERNEL_ROUTE if self._kernel else MATMUL_ROUTE  # latency tables are per route
         self.exactness: Exactness = exactness(mode, row_kernels=self._kernel and lm_head.packed)  # (precision.py)
         # Sums the residual updates of a tensor-parallel group (pipeline/parallel/tensor_parallel.py):
@@ -173,7 +177,9 @@ class SublayerModel:
         """What every item of a forward over `spans` (cache, start, rows) needs of its rows, with
         each block's `token_ids` and `logits` choice where the embedding and the LM head run too
         (step_rows.py: the host's part moved to the device in one copy)."""
-        return step_rows(spans, token_ids, logits, self.staging, self.rotary, self._kernel, self.lm_head.packed)
+        split = self.attention.split_dtype is not None
+        kernel, packed = self._kernel, self.lm_head.packed
+        return step_rows(spans, token_ids, logits, self.staging, self.rotary, kernel, packed, long_masks=not split)
 
     def batch_logits(self, h: torch.Tensor, rows: Rows) -> list[torch.Tensor | None]:
         """The LM head once over the packed rows [M, d] that need logits, split back per request."""
@@ -245,11 +251,14 @@ class SublayerModel:
         s = self.spec
         qkv = ranged_linear(layer.qkv, self._rms_norm(h, layer.input_norm), rows.ranges)
         heads = s.num_heads + s.num_kv_heads
-        v = qkv[:, heads * s.head_dim :].view(*rows.shape, s.num_kv_heads, s.head_dim)
+        # (A long block's products may come in bf16, fp16w-bf16's prefill: v widens here, q and k
+        # in the rotation.)
+        v = qkv[:, heads * s.head_dim :].to(self.dtype).view(*rows.shape, s.num_kv_heads, s.head_dim)
         qk = qkv[:, : heads * s.head_dim].view(*rows.shape, heads, s.head_dim)
         if layer.q_norm is None:
             # Queries and keys lie side by side: one rotation for both.
             qk = apply_rotary(qk, rows.cos, rows.sin)
             return qk[:, :, : s.num_heads], qk[:, :, s.num_heads :], v
+        qk = qk.to(self.dtype)
         q = apply_rotary(self._rms_norm(qk[:, :, : s.num_heads], layer.q_norm), rows.cos, rows.sin)
         return q, apply_rotary(self._rms_norm(qk[:, :, s.num_heads :], layer.k_norm), rows.cos, rows.sin), v

@@ -27,7 +27,7 @@ EOS = frozenset({2})
 
 
 @pytest.mark.exactness
-@pytest.mark.parametrize("mode", ["fp32", *(["fp16w"] if fp16w_available() else []), "bf16"])
+@pytest.mark.parametrize("mode", ["fp32", *(["fp16w", "fp16w-bf16"] if fp16w_available() else []), "bf16"])
 def test_greedy_tokens_in_a_batch_equal_each_request_alone(tiny_checkpoint, mode):
     _, model = load_tiny(tiny_checkpoint, mode)
     prompts = [repeating_prompt(n, seed) for seed, n in enumerate((5, 40, 90, 23, 60))]

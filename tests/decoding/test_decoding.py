@@ -48,7 +48,7 @@ def test_greedy_ar_and_static_equal_hf_generate(tiny_checkpoint, seed):
 
 
 @pytest.mark.exactness
-@pytest.mark.parametrize("mode", ["fp16w", "bf16"])
+@pytest.mark.parametrize("mode", ["fp16w", "fp16w-bf16", "bf16"])
 def test_greedy_static_equals_ar_in_every_mode(tiny_llama, mode):
     """Row-exact with the kernel build: equal token for token (else up to near-ties)."""
     _, model = load_tiny(tiny_llama, mode)

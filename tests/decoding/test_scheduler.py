@@ -41,7 +41,7 @@ def results_by_ticket(finished) -> dict:
 
 
 @pytest.mark.exactness
-@pytest.mark.parametrize("mode", ["fp32", *(["fp16w"] if fp16w_available() else []), "bf16"])
+@pytest.mark.parametrize("mode", ["fp32", *(["fp16w", "fp16w-bf16"] if fp16w_available() else []), "bf16"])
 def test_staggered_requests_keep_their_tokens(tiny_checkpoint, mode):
     """Five requests, three at a time, prompts fed 16 rows per step: they join as their prefill
     ends (between others' decode steps), some stop early, drafts are mixed."""

@@ -17,7 +17,7 @@ from tests.builders import load_tiny, sample_documents
 
 pytestmark = pytest.mark.exactness
 
-MODES = ["fp32", *(["fp16w"] if fp16w_available() else []), "bf16"]
+MODES = ["fp32", *(["fp16w", "fp16w-bf16"] if fp16w_available() else []), "bf16"]
 
 
 def ids(seed: int, length: int) -> torch.Tensor:
@@ -180,12 +180,13 @@ def test_many_verify_rows_keep_the_fp16w_kernel(tiny_llama):
 
 
 @pytest.mark.skipif(not fp16w_available(), reason="needs FBGEMM")
-def test_a_prefill_chunk_beside_decode_rows_is_computed_bit_for_bit_as_alone(tiny_llama):
+@pytest.mark.parametrize("mode", ["fp16w", "fp16w-bf16"])
+def test_a_prefill_chunk_beside_decode_rows_is_computed_bit_for_bit_as_alone(tiny_llama, mode):
     """A mixed step: decode and verify rows (fp16w's fp16 kernel) around a prefill chunk of 40
-    rows (its fp32 copy), which wants its last row's logits as in a batcher's step. Each range's
-    linears write into one output tensor; every request's logits and keys are its own alone, bit
-    for bit."""
-    _, model = load_tiny(tiny_llama, "fp16w")
+    rows (its fp32 copy; bf16 products and attention in fp16w-bf16), which wants its last row's
+    logits as in a batcher's step. Each range's linears write into one output tensor; every
+    request's logits and keys are its own alone, bit for bit."""
+    _, model = load_tiny(tiny_llama, mode)
     prompts = [ids(80, 30), ids(81, 1), ids(82, 45)]
     rows = [ids(90, 1), ids(91, 40), ids(92, 4)]
     wanted = ["all", "last", "all"]

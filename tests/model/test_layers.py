@@ -7,7 +7,15 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from pipeline.model.layers import apply_rotary, rms_norm, signed_sin
+from pipeline.model.layers import (
+    apply_rotary,
+    block_mask,
+    fused_attention,
+    rms_norm,
+    signed_sin,
+    split_attention,
+    split_attention_available,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -33,3 +41,23 @@ def test_rotary_is_hugging_faces(dtype, rows, heads, head_dim):
     expected, _ = apply_rotary_pos_emb(x.transpose(1, 2), x.transpose(1, 2), cos[None], sin[None])
     got = apply_rotary(x, cos[:, None], signed_sin(sin[:, None]))
     assert torch.equal(got, expected.transpose(1, 2))
+
+
+@pytest.mark.skipif(not split_attention_available(), reason="PyTorch without its CPU flash kernel")
+@pytest.mark.parametrize("start,num_tokens", [(0, 40), (1, 20), (37, 64), (600, 300)])
+def test_a_long_block_split_at_its_start_is_the_masked_attention(start, num_tokens):
+    """The keys before a prefill chunk in one unmasked call, its own causally, merged by their
+    log-sum-exps: in fp32 the masked call's result to rounding, in bf16 to bf16's; the same
+    bits into a given tensor."""
+    generator = torch.Generator().manual_seed(start + num_tokens)
+    q = torch.randn(num_tokens, 6, 16, generator=generator)
+    keys, values = (torch.randn(2, start + num_tokens, 16, generator=generator) for _ in range(2))
+    scale = 16**-0.5
+    masked = fused_attention(q, keys, values, start, block_mask(num_tokens, start, q.device), scale)
+    torch.testing.assert_close(split_attention(q, keys, values, start, scale, torch.float32), masked)
+    bf16 = split_attention(q, keys, values, start, scale, torch.bfloat16)
+    assert bf16.dtype == torch.float32 and bf16.shape == masked.shape
+    torch.testing.assert_close(bf16, masked, atol=3e-2, rtol=3e-2)
+    out = torch.full((num_tokens + 3, 6 * 16), float("nan"))
+    split_attention(q, keys, values, start, scale, torch.bfloat16, out[2:-1])
+    assert torch.equal(out[2:-1], bf16) and out[:2].isnan().all() and out[-1].isnan().all()

@@ -40,7 +40,7 @@ def test_the_promise_follows_the_mode_and_the_kernels():
 @pytest.mark.slow
 @pytest.mark.exactness
 @pytest.mark.skipif(short_attention.linear_kernel() is None, reason="row-exact modes need the kernel build")
-@pytest.mark.parametrize("dtype", ["fp16w", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp16w", "fp16w-bf16", "bf16"])
 def test_a_row_exact_mode_gives_a_row_its_bits_in_any_verify_and_batch(dtype):
     engine = Engine(EngineConfig(dtype=dtype))
     assert engine.model.exactness.row_exact

@@ -196,9 +196,22 @@ def test_silu_mul_gives_a_row_its_bits_whatever_the_rows_and_threads(build, widt
             assert torch.equal(build.silu_mul_rows(gate_up[7:8]), got[7:8])
     finally:
         torch.set_num_threads(threads)
-    assert sa.silu_mul_rows(gate_up.bfloat16()).dtype == torch.bfloat16
     with pytest.raises(RuntimeError, match="fp32"):
         build.silu_mul_rows(gate_up.double())
+
+
+def test_silu_mul_of_bf16_rows_rounds_the_fp32_path_once(build):
+    """A bf16 prefill chunk's SiLU(gate) * up: the bits of widening it, the fp32 kernel and
+    rounding to bf16 (a mixed step widens the chunk's rows first), NaN and infinities too."""
+    generator = torch.Generator().manual_seed(11)
+    wide = torch.randn(9, 4 * 37, generator=generator) * 6
+    wide[0, 0], wide[1, 5], wide[2, 37] = float("nan"), float("inf"), -float("inf")
+    gate_up = wide.bfloat16()[:, : 2 * 37]  # rows apart in memory, as a slice of a wider product
+    got = build.silu_mul_rows(gate_up)
+    assert got.dtype == torch.bfloat16 and got.shape == (9, 37)
+    expected = build.silu_mul_rows(gate_up.float()).bfloat16()
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    assert torch.equal(sa.silu_mul_rows(gate_up[3:4]), got[3:4])
 
 
 needs_linear_kernel = pytest.mark.skipif(sa.linear_kernel() is None, reason="the 16-bit linears need the kernel build")
@@ -294,6 +307,26 @@ def test_a_fp16w_linear_takes_the_kernel_for_short_blocks_and_the_fp32_copy_for_
     assert torch.equal(linear(x[:4]), sa.linear_kernel().half_linear(x[:4], linear._packed, bias, 96, None))
     torch.testing.assert_close(linear(x), x @ weight.t() + bias, rtol=1e-5, atol=1e-5)  # fp32 weights
     assert not torch.equal(linear(x)[:4], linear(x[:4]))  # (fp16 weights round differently)
+
+
+@needs_linear_kernel
+def test_a_fp16w_bf16_linear_is_fp16w_for_short_blocks_and_bf16_for_long_ones():
+    """fp16w-bf16: short blocks get fp16w's bits (packed from the checkpoint's weights, not the
+    bf16 copy); a long block's product runs in bf16 and stays bf16, also into an fp32 `out`."""
+    from pipeline.model.linear import KERNEL_MAX_ROWS, ComputeMode, Linear
+
+    generator = torch.Generator().manual_seed(8)
+    weight, bias = torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator)
+    mixed, fp16w = Linear(weight, bias, ComputeMode.FP16W_BF16), Linear(weight, bias, ComputeMode.FP16W)
+    x = torch.randn(KERNEL_MAX_ROWS + 8, 64, generator=generator)
+    assert torch.equal(mixed(x[:5]), fp16w(x[:5]))
+    assert mixed.weight.dtype == torch.bfloat16 and mixed.weight.element_size() * 2 == fp16w.weight.element_size()
+    long = mixed(x)
+    assert long.dtype == torch.bfloat16
+    assert torch.equal(long, torch.nn.functional.linear(x.bfloat16(), weight.bfloat16(), bias.bfloat16()))
+    out = torch.empty(x.shape[0] + 2, 96)
+    mixed(x, False, out[1:-1])
+    assert torch.equal(out[1:-1], long.float())
 
 
 @needs_linear_kernel

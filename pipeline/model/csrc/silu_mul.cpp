@@ -8,12 +8,20 @@
 //
 // silu(g) = g * sigmoid(g), sigmoid from t = e^-|g| (never overflows): 1 / (1 + t) for g >= 0,
 // t / (1 + t) below.
+//
+// bf16 rows (a prefill chunk's products in fp16w-bf16 and bf16) are widened, run through the same
+// fp32 path and rounded to bf16 once, to nearest even as PyTorch rounds: the bits of widening the
+// tensor, the fp32 kernel and `.to(bfloat16)`, without the fp32 tensors (a chunk's gate and up are
+// 50 MB in fp32, and allocating that much costs more than the arithmetic).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
 
 #include "vec_exp.h"
 
@@ -66,19 +74,52 @@ void row(const float* g, const float* u, float* out, int64_t n) {
 }
 #endif
 
+inline float widen(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof(value));
+  return value;
+}
+
+inline uint16_t round_to_bf16(float value) {  // as PyTorch's vectorized conversion: NaN to all ones
+  if (value != value) return 0xFFFF;
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+void bf16_rows(const uint16_t* gp, int64_t stride, uint16_t* op, int64_t n, int64_t begin, int64_t end) {
+  std::vector<float> wide(3 * n);
+  float *g = wide.data(), *u = g + n, *y = u + n;
+  for (int64_t r = begin; r < end; ++r) {
+    const uint16_t* in = gp + r * stride;
+    for (int64_t j = 0; j < n; ++j) g[j] = widen(in[j]);
+    for (int64_t j = 0; j < n; ++j) u[j] = widen(in[n + j]);
+    row(g, u, y, n);
+    for (int64_t j = 0; j < n; ++j) op[r * n + j] = round_to_bf16(y[j]);
+  }
+}
+
 }  // namespace
 
 // gate_up: [rows, 2 * I] fp32 with unit stride along its last dimension, the gate's I columns
 // then the up's (the fused gate_up linear's output). Returns [rows, I] contiguous.
 torch::Tensor silu_mul_rows(const torch::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == torch::kFloat32 && gate_up.stride(1) == 1 &&
+  const bool bf16 = gate_up.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(gate_up.dim() == 2 && (gate_up.scalar_type() == torch::kFloat32 || bf16) && gate_up.stride(1) == 1 &&
                   gate_up.size(1) % 2 == 0,
-              "gate_up: [rows, 2 * I] fp32 with unit stride along its last dimension");
+              "gate_up: [rows, 2 * I] fp32 or bf16 with unit stride along its last dimension");
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2, stride = gate_up.stride(0);
   auto out = torch::empty({rows, n}, gate_up.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t rows_per_task = std::max<int64_t>(1, kGrain / std::max<int64_t>(n, 1));
+  if (bf16) {
+    const auto* gp = reinterpret_cast<const uint16_t*>(gate_up.data_ptr());
+    auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    at::parallel_for(0, rows, rows_per_task, [&](int64_t begin, int64_t end) { bf16_rows(gp, stride, op, n, begin, end); });
+    return out;
+  }
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t rows_per_task = std::max<int64_t>(1, kGrain / std::max<int64_t>(n, 1));
   at::parallel_for(0, rows, rows_per_task, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) row(gp + r * stride, gp + r * stride + n, op + r * n, n);
   });
