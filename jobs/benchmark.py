@@ -11,7 +11,9 @@ the order: its "speed-up" is this machine's noise.
     python jobs/benchmark.py --ids gao-26-109008 --context-lengths 512,2048,4096 --repeats 3
 
 Strategies are given as NAME:DTYPE (e.g. `hf:fp32,ar:fp32,ar:fp16w,static:fp16w`).
-Writes OUT/benchmark.json and prints markdown tables.
+Writes OUT/benchmark.json and prints markdown tables. `--prefill fp16w,fp16w-bf16` times
+prompt reading instead, mode beside mode, against the matmul peaks of the same run;
+`--pipeline-parallel 2` one pipelined replica's throughput.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pipeline.logs import configure_logging
 from pipeline.model.linear import resolve_compute_mode
 from profiling.benchmark.comparison import compare
 from profiling.benchmark.pipeline_throughput import pipeline_throughput, write_pipeline_report
+from profiling.benchmark.prefill import PrefillSettings, prefill_speeds, write_prefill_report
 from profiling.benchmark.report import write_report
 from profiling.benchmark.settings import CONTROL, MATMUL, ComparisonSettings, PipelineSettings
 
@@ -98,6 +101,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     pipe.add_argument("--pipeline-parallel", type=int, help="stages of the replica (e.g. 2)")
     pipe.add_argument("--in-flight", default="1,4", help="requests in flight, comma-separated")
     pipe.add_argument("--requests", type=int, default=8, help="requests per measurement")
+    parser.add_argument_group(
+        "prefill speed (instead of the strategy comparison): each document cut to each context length, "
+        "read by every mode in turn, tokens/s against the bf16 and fp32 matmul peaks at the model's shapes"
+    ).add_argument("--prefill", metavar="MODES", help="compute modes, comma-separated, the first the reference")
     return parser.parse_args(argv)
 
 
@@ -153,11 +160,30 @@ def pipeline_benchmark(args: argparse.Namespace) -> int:
     return 0
 
 
+def prefill_benchmark(args: argparse.Namespace) -> int:
+    """--prefill: prompt reading, mode beside mode, instead of the strategy comparison."""
+    try:
+        modes = tuple(resolve_compute_mode(m.strip(), "cpu").value for m in args.prefill.split(","))
+    except ConfigError as e:
+        raise SystemExit(f"error: --prefill: {e}") from None
+    settings = PrefillSettings(
+        modes=modes,
+        context_lengths=tuple(int(x) for x in args.context_lengths.split(",")),
+        repeats=args.repeats,
+        model=args.model,
+    )
+    rows, measured = prefill_speeds(settings, load_documents(args.input, args.ids.split(",")))
+    print(write_prefill_report(rows, measured, settings, args.output))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging()
     if args.pipeline_parallel:
         return pipeline_benchmark(args)
+    if args.prefill:
+        return prefill_benchmark(args)
     settings = comparison_settings(args)
     documents = load_documents(args.input, args.ids.split(","))
     comparison = compare(settings, documents)

@@ -140,6 +140,16 @@ class Linear:
         return self.weight.shape[0]
 
     @property
+    def held_bytes(self) -> tuple[int, int]:
+        """Bytes of the weights long blocks read, and of the packed 16-bit ones short blocks read."""
+        plain = self.weight.numel() * self.weight.element_size()
+        if self._packed is None:
+            return plain, 0
+        if isinstance(self._packed, torch.Tensor):
+            return plain, self._packed.numel() * self._packed.element_size()
+        return plain, self.weight.numel() * 2  # FBGEMM's fp16 packing, opaque
+
+    @property
     def packed(self) -> bool:
         """Whether short blocks take packed 16-bit weights (and so the kernel each row would get alone)."""
         return self._packed is not None

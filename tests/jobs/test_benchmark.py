@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from pipeline.model.linear import resolve_compute_mode
+from profiling.benchmark.prefill import prompt_flops
 from profiling.benchmark.records import BatchRun, Record, search_share
 from profiling.benchmark.runs import run_order
 from profiling.benchmark.summary import pearson, summarize
@@ -23,11 +25,13 @@ def test_pearson():
 
 def test_strategies_by_bare_name_or_with_a_mode():
     benchmark = load_job("benchmark.py", "benchmark_script")
-    assert benchmark.parse_strategy("knapspec") == ("knapspec", "fp16w")  # as generate.py takes it
-    assert benchmark.parse_strategy("ar:auto") == ("ar", "fp16w")
+    default = resolve_compute_mode("auto", "cpu").value  # fp16w-bf16 where the CPU has bf16 units
+    assert benchmark.parse_strategy("knapspec") == ("knapspec", default)  # as generate.py takes it
+    assert benchmark.parse_strategy("ar:auto") == ("ar", default)
     assert benchmark.parse_strategy(" hf:fp32") == ("hf", "fp32")
     assert benchmark.parse_strategy("ar:fp16w+matmul") == ("ar", "fp16w+matmul")  # the kernel off, beside it
-    assert benchmark.parse_strategy("ar:+matmul") == ("ar", "fp16w+matmul")
+    assert benchmark.parse_strategy("ar:+matmul") == ("ar", f"{default}+matmul")
+    assert benchmark.parse_strategy("ar:fp16w-bf16") == ("ar", "fp16w-bf16")
     for bad, says in [
         ("knapspeed", "unknown strategy"),
         ("ar:fp8", "unknown dtype"),
@@ -169,7 +173,9 @@ def test_benchmark_across_batch_sizes(tmp_path):
     assert records[("knapspec", 1)]["batch_searches"] is None
     assert records[("ar", 3)]["speedup_vs_ar"] == pytest.approx(1.0)
     assert records[("ar", 3)]["full_batch_speedup_vs_ar"] == pytest.approx(1.0)
-    assert records[("lookup", 3)]["full_batch_tokens_per_s"] > 0 and records[("hf", 3)]["full_batch_tokens_per_s"] is None
+    assert (
+        records[("lookup", 3)]["full_batch_tokens_per_s"] > 0 and records[("hf", 3)]["full_batch_tokens_per_s"] is None
+    )
     assert records[("ar", 1)]["speedup_vs_batch1"] == pytest.approx(1.0)
     assert records[("ar", 3)]["speedup_vs_batch1"] > 0
     for (name, _), r in records.items():
@@ -188,3 +194,45 @@ def test_benchmark_across_batch_sizes(tmp_path):
         ratio = batch_verify[f"rows_{drafted + 1}_over_1"]
         assert ratio > 0
         assert batch_verify[f"accepted_needed_{drafted}"] == pytest.approx(TARGET_BATCH_SPEEDUP * ratio - 1)
+
+
+def test_prompt_flops_count_every_layers_products_and_causal_attention():
+    from pipeline.model.spec import ModelSpec
+
+    spec = ModelSpec(
+        model_type="llama", num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+        intermediate_size=16, vocab_size=10, rms_norm_eps=1e-5, attention_bias=False, qk_norm=False,
+        tie_word_embeddings=True, max_position_embeddings=64,
+    )  # fmt: skip
+    # qkv 16x8, o 8x8, gate_up 32x8, down 8x16: 576 multiply-adds a token, 2 FLOPs each
+    products = 2 * 576 * 3
+    attention = 4 * 2 * 4 * (3 * 4 / 2)  # two products of heads x head_dim over 6 query-key pairs
+    assert prompt_flops(spec, 3) == 2 * (products + attention)
+
+
+@pytest.mark.slow
+def test_prefill_benchmark_times_modes_side_by_side(tmp_path, capsys):
+    """--prefill: every mode reads the same prompts in turn; tokens/s, the ratio to the first mode,
+    the fractions of the matmul peaks measured in the same run, and the weights each mode holds."""
+    benchmark = load_job("benchmark.py", "benchmark_script")
+    code = benchmark.main(
+        [
+            "--prefill", "fp16w,fp16w-bf16", "--ids", "gao-26-109008", "--context-lengths", "200,400",
+            "--repeats", "2", "--output", str(tmp_path),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    out = json.loads((tmp_path / "prefill_benchmark.json").read_text())
+    rows = {(r["mode"], r["prompt_tokens"] // 100): r for r in out["rows"]}
+    assert set(rows) == {(mode, n) for mode in ("fp16w", "fp16w-bf16") for n in (1, 3)}
+    for (mode, _), r in rows.items():
+        assert r["tokens_per_s"] > 0 and 0 < r["of_bf16_peak"] and r["gflops"] > 0
+        assert r["vs_reference"] == pytest.approx(1.0) if mode == "fp16w" else r["vs_reference"] > 0
+    assert len(out["matmul_peak_gflops"]) == 2 and all(p["bf16"] > 0 for p in out["matmul_peak_gflops"].values())
+    held = out["weight_bytes"]
+    # The long blocks' copy: fp32 in fp16w, bf16 in fp16w-bf16 (half); the packed fp16 ones alike.
+    assert held["fp16w"]["long_blocks"] == 2 * held["fp16w-bf16"]["long_blocks"]
+    assert held["fp16w"]["short_blocks"] == held["fp16w-bf16"]["short_blocks"] > 0
+    assert "| fp16w-bf16 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--prefill"):
+        benchmark.main(["--prefill", "fp16w,fp8", "--output", str(tmp_path)])
