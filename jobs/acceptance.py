@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--input", type=Path, default=DEFAULT_INPUT, help="a .jsonl file with id and text")
     parser.add_argument("--ids", default="gao-26-107759,crs-r47194", help="comma-separated document ids")
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
-    parser.add_argument("--dtype", default="auto", help="compute mode (default: the CPU default, fp16w)")
+    parser.add_argument("--dtype", default="auto", help="compute mode (default: the CPU default, fp16w-bf16 or fp16w)")
     parser.add_argument("--context-length", type=int, default=1024, help="prompt tokens")
     parser.add_argument("--reference-tokens", type=int, default=16, help="answer tokens the DP scores on")
     parser.add_argument("--max-new-tokens", type=int, default=80, help="answer tokens in all")

@@ -21,9 +21,9 @@ CPU runs them (each build rounds alike within itself; the AVX2 and AVX-512 build
 differ in their last bits; pipeline/model/precision.py says which mode guarantees what).
 
 Only x86 CPUs with AVX2 and FMA take it (`torch.backends.cpu.get_cpu_capability()`), built
-16 floats wide where that says AVX-512, and only in the `fp16w` and `bf16` modes (the bf16
-cache read as it lies, widened to fp32 as it is loaded): `fp32` stays the reference of
-transformers' own math.
+16 floats wide where that says AVX-512, and only in the `fp16w`, `fp16w-bf16` and `bf16` modes
+(the bf16 cache read as it lies, widened to fp32 as it is loaded): `fp32` stays the reference
+of transformers' own math.
 `use_kernel(False)` turns it off (for a comparison). A machine that cannot build it (no C++
 compiler) falls back to the matmuls, with one warning. The build lands under
 `~/.cache/knapspec-ray/kernels/`, keyed by the source, the flags, PyTorch's version and the
@@ -139,7 +139,7 @@ def _private_folder(folder: Path) -> None:
 
 
 def kernel_applies(mode_takes_kernel: bool, device: torch.device, head_dim: int) -> bool:
-    """Whether a model whose mode takes the kernel (fp16w, bf16), on this device, with this head size does."""
+    """Whether a model whose mode takes the kernel (all but fp32), on this device, with this head size does."""
     return (
         _enabled and mode_takes_kernel and device.type == "cpu" and head_dim in HEAD_DIMS and load_kernel() is not None
     )
@@ -172,7 +172,7 @@ def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
 
 def linear_kernel() -> ModuleType | None:
     """The build, where it carries the 16-bit linears (AVX-512, or AVX2 with F16C); None
-    elsewhere (the fp16w mode then runs FBGEMM's kernel, the bf16 mode PyTorch's). Not turned
+    elsewhere (the fp16w modes then run FBGEMM's kernel, the bf16 mode PyTorch's). Not turned
     off by `use_kernel`, which is about attention."""
     kernel = load_kernel()
     return kernel if kernel is not None and kernel.half_linear_available() else None
@@ -181,5 +181,5 @@ def linear_kernel() -> ModuleType | None:
 def _loaded() -> ModuleType:
     kernel = load_kernel()
     if kernel is None:
-        raise RuntimeError("the CPU kernels of the fp16w and bf16 modes are not available on this machine")
+        raise RuntimeError("the CPU kernels of the fp16w, fp16w-bf16 and bf16 modes are not available on this machine")
     return kernel

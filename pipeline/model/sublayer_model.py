@@ -63,7 +63,7 @@ class SublayerModel:
         self.device = device
         self.dtype = mode.activation_dtype
         self.rotary = RotaryTables(rotary, spec.head_dim, max_context, self.dtype, device)
-        # Decode and verify attention through the fused CPU kernel (fp16w, bf16; fp32 stays transformers' math).
+        # Decode and verify attention through the fused CPU kernel (not fp32: it stays transformers' math).
         self._kernel = kernel_applies(mode is not ComputeMode.FP32, torch.device(device), spec.head_dim)
         # Prefill chunks in bf16 on a CPU: split at their start, through its flash kernel, unmasked.
         split = mode.prefill_dtype == torch.bfloat16 and torch.device(device).type == "cpu"
