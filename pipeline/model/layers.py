@@ -153,7 +153,7 @@ def split_attention(
     heads_first = q.transpose(0, 1).to(dtype)  # [H, T, head_dim]
     own_k, own_v = (x[None, :, start:].to(dtype).repeat_interleave(groups, 1) for x in (keys, values))
     if start == 0:
-        attended = flash(heads_first[None], own_k, own_v, is_causal=True, scale=scale)[0][0].float()
+        attended = flash(heads_first[None], own_k, own_v, is_causal=True, scale=scale)[0][0]
     else:
         folded = heads_first.reshape(1, num_kv_heads, groups * num_tokens, head_dim)
         earlier = (x[None, :, :start].to(dtype) for x in (keys, values))
@@ -163,10 +163,9 @@ def split_attention(
         share = torch.sigmoid(lse_before.reshape(num_heads, num_tokens) - lse_own[0])[..., None]
         own = own[0].float()
         attended = own + (before.reshape(num_heads, num_tokens, head_dim).float() - own) * share
-    result = attended.transpose(0, 1)  # [T, H, head_dim]
     if out is None:
-        return result.to(q.dtype).reshape(num_tokens, -1)
-    out.view(num_tokens, num_heads, head_dim).copy_(result)
+        out = q.new_empty(num_tokens, num_heads * head_dim)
+    out.view(num_tokens, num_heads, head_dim).copy_(attended.transpose(0, 1))  # one pass: layout and dtype
     return out
 
 

@@ -235,7 +235,8 @@ class SublayerModel:
         return self._reduced(ranged_linear(layer.down, silu_mul(gate_up, self._kernel), ranges))
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
-        return partial if self.reduce is None else self.reduce(partial)
+        # (A long block's bf16 products in fp16w-bf16 are summed over the ranks in fp32.)
+        return partial if self.reduce is None else self.reduce(partial.to(self.dtype))
 
     def _item(self, item: int, h: torch.Tensor, rows: Rows) -> torch.Tensor:
         """The packed residual stream [M, d] after one item; the only way through a layer."""
