@@ -14,7 +14,8 @@ so batched statistics are recorded but not compared.
 Record both on one machine: prefill runs PyTorch's kernels, whose bits differ between CPUs.
 `--compare` names each answer that differs, where, and the top-2 logit gap of plain decoding
 at that token (a difference at a gap under 1e-4 is a near-tie; above it, a bug). It exits 1
-when an answer differs above the tie gap or a timing-free statistic differs.
+when an answer differs above the tie gap or a timing-free statistic differs. Two records of
+two compute modes (`--dtype`) compare too: how many tokens their answers share, on average.
 """
 
 from __future__ import annotations
@@ -64,9 +65,11 @@ def record(args: argparse.Namespace) -> dict:
             out["prompts"][f"{length}/{doc['id']}"] = prompt.tolist()
         for name in args.strategies:
             strategy = StrategyConfig(name)
-            alone = [engine.generate(p, strategy, args.max_new_tokens) for p in prompts]
-            batch = engine.generate_batch(prompts, strategy, args.max_new_tokens, max_batch=args.batch)
-            for way, results in (("alone", alone), (f"batch{args.batch}", batch)):
+            ways = [("alone", [engine.generate(p, strategy, args.max_new_tokens) for p in prompts])]
+            if args.batch:
+                batch = engine.generate_batch(prompts, strategy, args.max_new_tokens, max_batch=args.batch)
+                ways.append((f"batch{args.batch}", batch))
+            for way, results in ways:
                 for doc, result in zip(docs, results):
                     stats = result.stats.to_dict()
                     out["runs"][f"{name}/{length}/{way}/{doc['id']}"] = {
@@ -105,10 +108,12 @@ def compare(before: dict, after: dict, args: argparse.Namespace) -> int:
         print(f"{len(missing)} runs recorded on one side only, e.g. {missing[:3]}")
         bad += 1
     same = 0
+    agreed = []  # per answer, the tokens both records share before they part
     for key in sorted(set(before["runs"]) & set(after["runs"])):
         old, new = before["runs"][key], after["runs"][key]
         if old["tokens"] == new["tokens"] and old["finish_reason"] == new["finish_reason"]:
             same += 1
+            agreed.append(len(old["tokens"]))
             if key.split("/")[2] == "alone" and old["stats"] != new["stats"]:
                 print(f"{key}: same tokens, statistics differ: {old['stats']} -> {new['stats']}")
                 bad += 1
@@ -120,7 +125,10 @@ def compare(before: dict, after: dict, args: argparse.Namespace) -> int:
         verdict = "near-tie" if gap < TIE_GAP else "DIFFERS"
         bad += gap >= TIE_GAP
         print(f"{key}: first different token at {at} of {len(old['tokens'])}, top-2 gap {gap:.2e} ({verdict})")
-    print(f"{same} of {len(set(before['runs']) & set(after['runs']))} answers identical token for token")
+        agreed.append(at)
+    print(f"{same} of {len(agreed)} answers identical token for token")
+    if agreed:  # (across compute modes, two records --dtype apart: how long their answers agree)
+        print(f"answers agree on their first {sum(agreed) / len(agreed):.1f} tokens on average")
     return 1 if bad else 0
 
 
@@ -152,12 +160,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="prompt tokens, each document cut to fit (default 1024,4096)")  # fmt: skip
     parser.add_argument("--documents", type=positive_int, default=10, help="the first N bundled documents")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64)
-    parser.add_argument("--batch", type=positive_int, default=8)
+    parser.add_argument("--batch", type=int, default=8, help="requests per batch; 0: each answer alone only")
     parser.add_argument("--model", help="a checkpoint folder (default: the embedded model)")
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args(argv)
     if (args.output is None) == (args.compare is None):
         parser.error("give --output to record, or --compare BEFORE AFTER")
+    if args.batch < 0:
+        parser.error(f"--batch must be >= 0, got {args.batch}")
     unknown = sorted(set(args.strategies) - set(STRATEGIES))
     if unknown:
         parser.error(f"unknown strategies: {', '.join(unknown)}")

@@ -27,4 +27,13 @@ def test_a_record_compares_equal_to_itself_and_names_a_changed_answer(tmp_path, 
     record["runs"][key]["tokens"][5] = (record["runs"][key]["tokens"][5] + 1) % 1000 + 300
     after.write_text(json.dumps(record))
     assert job.main(["--compare", str(before), str(after), *common]) == 1
-    assert f"{key}: first different token at 5 of {length}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"{key}: first different token at 5 of {length}" in out
+    shared = sum(len(r["tokens"]) for r in record["runs"].values()) - (length - 5)
+    assert f"answers agree on their first {shared / 36:.1f} tokens on average" in out
+
+    # --batch 0: each answer alone only (two compute modes compared, say)
+    alone = tmp_path / "alone.json"
+    args = ["--strategies", "ar", "--lengths", "96", "--documents", "2", "--max-new-tokens", "6", "--batch", "0"]
+    assert job.main([*args, "--output", str(alone), *common]) == 0
+    assert sorted(k.split("/")[2] for k in json.loads(alone.read_text())["runs"]) == ["alone", "alone"]
