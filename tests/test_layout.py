@@ -172,6 +172,7 @@ PROBED_FREELY = {
     "hf_config",
     "torch",
     "torch.ops.quantized",
+    "torch.ops.aten",
     "pa.types",
     "backend",
     "self._live",

@@ -68,6 +68,7 @@ class SublayerModel:
         # Prefill chunks in bf16 on a CPU: split at their start, through its flash kernel, unmasked.
         split = mode.prefill_dtype == torch.bfloat16 and torch.device(device).type == "cpu"
         split_dtype = mode.prefill_dtype if split and split_attention_available() else None
+        self._long_masks = split_dtype is None  # (a split long block needs none: step_rows)
         # Every item's attention.
         self.attention = Attention(spec.num_kv_heads, spec.head_dim, self._kernel, split_dtype)
         self.attention_route = KERNEL_ROUTE if self._kernel else MATMUL_ROUTE  # latency tables are per route
@@ -177,9 +178,8 @@ class SublayerModel:
         """What every item of a forward over `spans` (cache, start, rows) needs of its rows, with
         each block's `token_ids` and `logits` choice where the embedding and the LM head run too
         (step_rows.py: the host's part moved to the device in one copy)."""
-        split = self.attention.split_dtype is not None
-        kernel, packed = self._kernel, self.lm_head.packed
-        return step_rows(spans, token_ids, logits, self.staging, self.rotary, kernel, packed, long_masks=not split)
+        kernel, packed, masks = self._kernel, self.lm_head.packed, self._long_masks
+        return step_rows(spans, token_ids, logits, self.staging, self.rotary, kernel, packed, long_masks=masks)
 
     def batch_logits(self, h: torch.Tensor, rows: Rows) -> list[torch.Tensor | None]:
         """The LM head once over the packed rows [M, d] that need logits, split back per request."""
