@@ -9,7 +9,6 @@ import json
 import logging
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -17,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.model.spec import ModelSpec
-from profiling.benchmark.runs import batch_prompts, build_engine
+from profiling.benchmark.runs import batch_prompts, build_engine, run_order
+from profiling.timer import benchmark, timer_for
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def matmul_peak(spec: ModelSpec, rows: int, dtype: torch.dtype, repeats: int = 5
     for out, inner in linear_shapes(spec):
         x = torch.randn(rows, inner, generator=generator).to(dtype)
         weight = (torch.randn(out, inner, generator=generator) * inner**-0.5).to(dtype)
-        seconds += _median_seconds(lambda x=x, weight=weight: F.linear(x, weight), repeats)
+        seconds += benchmark(lambda x=x, weight=weight: F.linear(x, weight), timer_for("cpu"), repeats).median
         flops += 2.0 * rows * out * inner
     return flops / seconds / 1e9
 
@@ -133,21 +133,11 @@ def _alternating(engines: dict, prompt: torch.Tensor, repeats: int) -> dict[str,
         engines[mode].prefill(prompt, 1)
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     for repeat in range(repeats):
-        for mode in modes if repeat % 2 == 0 else reversed(modes):
+        for mode in run_order(modes, repeat):
             started = time.perf_counter()
             engines[mode].prefill(prompt, 1)
             times[mode].append(time.perf_counter() - started)
     return times
-
-
-def _median_seconds(run: Callable[[], object], repeats: int) -> float:
-    run()
-    seconds = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        seconds.append(time.perf_counter() - started)
-    return statistics.median(seconds)
 
 
 def write_prefill_report(rows: list[PrefillRow], measured: dict, settings: PrefillSettings, output: Path) -> str:
