@@ -70,6 +70,7 @@ class SummarizerConfig:
     max_document_bytes: int | None = DEFAULT_MAX_DOCUMENT_BYTES  # a longer text is its row's error; None: no limit
     dtype: str = "auto"
     device: str = "cpu"
+    enforce_eager: bool = False  # on CUDA: no captured steps (EngineConfig.enforce_eager)
     params: SamplingParams = DEFAULT_SUMMARY_PARAMS
     replicas: int = 1
     pipeline_parallel: int = 1
@@ -116,6 +117,7 @@ class Summarizer:
             calibration_dir=config.calibration_dir,
             # KV slots as long as the longest request the job sends (a chunk's prompt and the longest answer).
             kv_slot_positions=config.max_chunk_tokens + _longest_answer(config),
+            enforce_eager=config.enforce_eager,
         )
         self.pool = ReplicaPool(config.replicas, engine, StrategyConfig(name=config.strategy), resources)
         self.progress_name = f"knapspec-progress-{uuid.uuid4().hex[:12]}"

@@ -150,6 +150,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     model.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     model.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    model.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run every step kernel by kernel instead of as captured CUDA graphs",
+    )
     add_sampling_arguments(
         model,
         seed_help="sampling seed; each request derives its own from it",
@@ -332,6 +337,7 @@ def run(args: argparse.Namespace) -> int:
                 max_chunk_tokens=args.max_chunk_tokens,
                 dtype=args.dtype,
                 device=args.device,
+                enforce_eager=args.enforce_eager,
                 params=sampling_params(args),
                 replicas=args.replicas,
                 pipeline_parallel=args.pipeline_parallel,

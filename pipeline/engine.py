@@ -26,6 +26,7 @@ from pipeline.decoding.stopping import SentenceEnds, SentenceStop, eos_token_ids
 from pipeline.errors import ConfigError
 from pipeline.knapspec.latency import LatencyModel
 from pipeline.model import checkpoint
+from pipeline.model.graphs import GraphSettings
 from pipeline.model.linear import ComputeMode, resolve_compute_mode
 from pipeline.model.loading import model_from_tensors
 from pipeline.model.sublayer_model import SublayerModel
@@ -72,6 +73,9 @@ class EngineConfig:
     # longest request, prompt and answer, in positions (None: the model's whole context).
     kv_cache_bytes: int | None = None
     kv_slot_positions: int | None = None
+    # On CUDA, decode, verify and draft steps run as captured CUDA graphs (pipeline/model/graphs);
+    # True runs every step eagerly, kernel by kernel (vLLM's enforce_eager).
+    enforce_eager: bool = False
 
 
 class Engine:
@@ -91,6 +95,8 @@ class Engine:
                 self.hf_config, checkpoint.read_tensors(self.path), self.mode, self.device
             )
         self.model = model
+        if self.device.type == "cuda" and not config.enforce_eager and hasattr(model, "use_graphs"):
+            model.use_graphs(GraphSettings(capture="cuda"))
         self.eos_token_ids = eos_token_ids(self.path, self.hf_config, self.tokenizer)
         self.sentences = SentenceEnds(self.tokenizer)
         self.hf = HFReference(self.path, self.device, self.mode, self.tokenizer.pad_token_id)

@@ -6,6 +6,8 @@ to `Attention`, which picks the route:
 - `BatchRows`: the rows of one or more requests, packed. A request's `Span` attends over its
   own cache (a prefill chunk; a decode or verify block of a request with a cache of its own);
   the short blocks of requests in slots of one pool attend together (packing.PooledRows).
+- `SlotRows`: a captured step's rows (graphs.static_step): R requests of T rows each in slots
+  of one pool, every index on the device and every shape fixed by the step's bucket.
 - `Branches`: the knapsack DP's B versions of the same r tokens, each attending to one
   committed prefix (only read) and causally to its own keys and values.
 
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.model.kv_cache import KVCache
+from pipeline.model.kv_pool import KVPool
 from pipeline.model.layers import (
     FUSED_ATTENTION_MIN_TOKENS,
     aligned_keys,
@@ -31,6 +34,7 @@ from pipeline.model.layers import (
     later_in_block,
     matmul_attention,
     pooled_attention,
+    slot_attention,
     split_attention,
     ungroup,
     unseen_keys,
@@ -108,6 +112,26 @@ def _takes_fused(num_tokens: int, kernel: bool) -> bool:
 
 
 @dataclass(frozen=True)
+class SlotRows:
+    """A captured step's rows: `requests` requests of `rows_each` rows, row r's keys and values
+    into slot `row_slots[r]` at `positions[r]` (a padding row's into the pool's scratch slot),
+    request i attending over the first `width` keys of slot `request_slots[i]` (None: of slot
+    i, read in place), `hidden`
+    [R, 1, 1, T, width] where it must not look (`seen`, the same for the CPU kernel). Device tensors in buffers the step's graphs
+    were captured over: a new step rewrites them, never replaces them."""
+
+    pool: KVPool
+    requests: int
+    rows_each: int
+    width: int
+    row_slots: torch.Tensor
+    positions: torch.Tensor
+    request_slots: torch.Tensor | None
+    hidden: torch.Tensor
+    seen: torch.Tensor  # int32 [R, T]: the keys each row sees, as the fused CPU kernel takes them
+
+
+@dataclass(frozen=True)
 class Branches:
     """B branches of the same r tokens at positions [prefix, prefix + r) of `cache`: each attends
     to the keys below `prefix` (shared, only read: the DP explores drafts without disturbing the
@@ -134,9 +158,11 @@ class Attention:
         # Long blocks split at their start, in this dtype (layers.split_attention); None: one masked call.
         self.split_dtype = split_dtype
 
-    def __call__(self, layer: int, q, k, v, rows: BatchRows | Branches) -> torch.Tensor:
+    def __call__(self, layer: int, q, k, v, rows: BatchRows | SlotRows | Branches) -> torch.Tensor:
         if isinstance(rows, Branches):
             return self._branches(layer, q, k, v, rows)
+        if isinstance(rows, SlotRows):
+            return self._slots(layer, q[0], k[0], v[0], rows)
         q, k, v = q[0], k[0], v[0]  # [M, heads, head_dim]
         if rows.pooled is not None and not rows.own:
             return self._pooled(layer, q, k, v, rows.pooled)
@@ -177,6 +203,20 @@ class Attention:
         pool.keys[layer][pooled.slots, :, pooled.positions] = k
         pool.values[layer][pooled.slots, :, pooled.positions] = v
         return pooled_attention(q * self.scale, pooled, layer, self.num_kv_heads, self.kernel)
+
+    def _slots(self, layer: int, q, k, v, rows: SlotRows) -> torch.Tensor:
+        """Every row's keys and values into its slot, then each request's rows over its slot's
+        first `width` keys, gathered (the same shapes whatever the requests' lengths)."""
+        pool = rows.pool
+        pool.keys[layer][rows.row_slots, :, rows.positions] = k
+        pool.values[layer][rows.row_slots, :, rows.positions] = v
+        keys, values = pool.keys[layer][:, :, : rows.width], pool.values[layer][:, :, : rows.width]
+        if rows.request_slots is None:
+            keys, values = keys[: rows.requests], values[: rows.requests]
+        else:
+            keys, values = keys.index_select(0, rows.request_slots), values.index_select(0, rows.request_slots)
+        seen = rows.seen if self.kernel else None
+        return slot_attention(q * self.scale, keys, values, rows.hidden, self.num_kv_heads, seen)
 
     def _branches(self, layer: int, q, k, v, rows: Branches) -> torch.Tensor:
         prefix_k, prefix_v = rows.cache.view(layer, rows.prefix)  # [kv_heads, p, head_dim]

@@ -54,20 +54,26 @@ class KVPool:
         slot_capacity: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        scratch: bool = False,
     ) -> None:
+        """`scratch`: one more slot, never handed out, where a captured step's padding rows
+        write their keys and values (graphs.static_step)."""
         if num_slots < 1 or slot_capacity < 1:
             raise ConfigError(f"a KV pool needs slots and positions, got {num_slots} × {slot_capacity}")
-        self.shape = (num_layers, num_slots, num_kv_heads, slot_capacity, head_dim)
+        self.scratch_slot = num_slots if scratch else None
+        self.shape = (num_layers, num_slots + scratch, num_kv_heads, slot_capacity, head_dim)
         # Zeros, not empty: a slot's positions past its request's are read (and weighted 0) by
         # the batched attention, and 0 × NaN would not be 0.
         self.keys = torch.zeros(self.shape, dtype=dtype, device=device)
         self.values = torch.zeros(self.shape, dtype=dtype, device=device)
         self._free = list(range(num_slots))  # a heap: low slots first, so live ones stay together
         self.live: dict[int, PooledCache] = {}
+        self.graphs = None  # a model's captured steps over this pool (graphs.StepGraphs), made at its first
 
     @property
     def num_slots(self) -> int:
-        return self.shape[1]
+        """The slots requests can hold (the scratch slot not counted)."""
+        return self.shape[1] - (self.scratch_slot is not None)
 
     @property
     def slot_capacity(self) -> int:

@@ -286,3 +286,36 @@ def pooled_attention(q: torch.Tensor, layout, layer: int, num_kv_heads: int, ker
         out = out.view(num_slots, num_kv_heads, groups, block, head_dim).permute(0, 3, 1, 2, 4)
         outs.append(out.reshape(num_slots * block, num_heads * head_dim))
     return (outs[0] if len(outs) == 1 else torch.cat(outs))[layout.back]
+
+
+def slot_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    hidden: torch.Tensor,
+    num_kv_heads: int,
+    seen: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of R requests' blocks of T rows each at once, every one over its own slot's
+    keys: q [R * T, H, head_dim], already scaled; keys/values [R, kv_heads, W, head_dim] (each
+    request's slot, its block written first); `hidden` [R, 1, 1, T, W], True where a row must
+    not look. Fixed shapes whatever the requests' lengths (graphs.static_step). `seen` (int32
+    [R, T], the keys each row sees): through the fused CPU kernel instead, which gives each row
+    the bits it gets alone. Returns [R * T, H * head_dim]."""
+    num_requests, _, width, head_dim = keys.shape
+    num_heads = q.shape[1]
+    groups, num_tokens = num_heads // num_kv_heads, q.shape[0] // num_requests
+    if seen is not None:
+        rows = q.view(num_requests, num_tokens, num_kv_heads, groups, head_dim).transpose(1, 2)
+        rows = rows.reshape(num_requests, num_kv_heads, num_tokens * groups, head_dim)
+        flat = (num_requests * num_kv_heads, width, head_dim)
+        out = short_attention(rows, keys.view(flat), values.view(flat), seen)
+        out = out.view(num_requests, num_kv_heads, num_tokens, groups, head_dim).transpose(1, 2)
+        return out.reshape(num_requests * num_tokens, num_heads * head_dim)
+    qg = q.view(num_requests, num_tokens, num_kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)
+    rows = qg.reshape(num_requests, num_kv_heads, groups * num_tokens, head_dim)
+    scores = torch.matmul(rows, keys.transpose(-1, -2)).view(num_requests, num_kv_heads, groups, num_tokens, width)
+    probs = softmax(scores.masked_fill_(hidden, float("-inf")), values.dtype)
+    out = torch.matmul(probs.view(num_requests, num_kv_heads, groups * num_tokens, width), values)
+    out = out.view(num_requests, num_kv_heads, groups, num_tokens, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(num_requests * num_tokens, num_heads * head_dim)

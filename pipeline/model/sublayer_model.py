@@ -20,6 +20,7 @@ import torch
 from pipeline.model import items
 from pipeline.model.attention import Attention, Branches
 from pipeline.model.context import check_context, prefill_chunk_for, prefill_in_chunks
+from pipeline.model.graphs import GraphSettings, StepGraphs
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.kv_pool import KVPool, PooledCache
 from pipeline.model.layers import apply_rotary, rms_norm, silu_mul, split_attention_available
@@ -78,6 +79,12 @@ class SublayerModel:
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.pooled_caches = True  # a batch's caches are slots of one KVPool
         self.staging = HostStaging(self.device)  # every forward's metadata, in one copy
+        self.graphs: GraphSettings | None = None  # captured steps (graphs/), where use_graphs asked
+
+    def use_graphs(self, settings: GraphSettings | None) -> None:
+        """Run the decode, verify and draft steps over pools made from now on as captured steps
+        (pipeline/model/graphs); None: every forward eagerly."""
+        self.graphs = settings
 
     # ------------------------------------------------------------------ caches
 
@@ -90,7 +97,10 @@ class SublayerModel:
         """Caches for a batch: `num_slots` slots of `slot_capacity` positions (kv_pool.py)."""
         check_context(slot_capacity, self.max_context)
         s = self.spec
-        return KVPool(s.num_layers, s.num_kv_heads, s.head_dim, num_slots, slot_capacity, self.dtype, self.device)
+        scratch = self.graphs is not None  # (where a captured step's padding rows write)
+        return KVPool(
+            s.num_layers, s.num_kv_heads, s.head_dim, num_slots, slot_capacity, self.dtype, self.device, scratch
+        )
 
     def release(self, cache: KVCache, scrub: bool = False) -> None:
         """A pool's slot goes back to its pool (KVPool.release says why `scrub`); a cache of its
@@ -127,7 +137,21 @@ class SublayerModel:
         as its `RequestRows.logits` says, else as `logits` does (a prefill chunk rides along with
         decode rows and needs none but its last).
         """
+        graphs = self._graphs_of(blocks)
+        if graphs is not None:
+            bucket = graphs.bucket_of(blocks)
+            if bucket is not None:
+                return graphs.run(bucket, blocks, skip, check_logit_choices(blocks, logits))
         return self.run_blocks(blocks, skip, logits)[0]
+
+    def _graphs_of(self, blocks: Sequence[RequestRows]) -> StepGraphs | None:
+        """The captured steps over the pool of `blocks`' first cache, made at its first step."""
+        cache = blocks[0].cache if blocks else None
+        if self.graphs is None or not isinstance(cache, PooledCache) or cache.pool.scratch_slot is None:
+            return None
+        if cache.pool.graphs is None:
+            cache.pool.graphs = StepGraphs(self, cache.pool, self.graphs)
+        return cache.pool.graphs
 
     def run_blocks(
         self, blocks: Sequence[RequestRows], skip: Collection[int], logits: str, return_hidden: bool = False

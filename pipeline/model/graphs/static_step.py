@@ -1,0 +1,154 @@
+"""A step over fixed buffers: what a captured graph of it reads and writes.
+
+A bucket's step (graphs.buckets) runs over views of buffers made once for the largest
+bucket and shared by all (steps never overlap): the step's metadata — token ids, each row's
+slot and position, the keys each row sees, each request's slot — in one int64 buffer filled
+by one copy from the host; the residual stream; the rotary rows; the attention mask; the
+logits. Its pieces (graphs.pieces) read and write only those, so a graph captured over them
+replays any later step of the bucket once `load` has rewritten the metadata.
+
+Padding: a bucket's idle requests, and the rows a request lacks to the bucket's rows per
+request, write their keys and values into the pool's scratch slot at position 0 and see its
+first key only (a softmax over nothing would be NaN); their logits are never handed out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pipeline.model.attention import SlotRows
+from pipeline.model.graphs.buckets import Bucket
+from pipeline.model.kv_pool import KVPool, PooledCache
+from pipeline.model.linear import KERNEL_MAX_ROWS
+from pipeline.model.packing import kernel_ranges
+from pipeline.model.step_rows import Rows
+
+# The metadata buffer's parts, each one int64 per row: token id, slot, position, keys seen;
+# then one slot per request.
+ROW_PARTS = 4
+
+
+class StepBuffers:
+    """The buffers every bucket's step of one model over one pool views, sized for the largest."""
+
+    def __init__(self, model, largest: Bucket) -> None:
+        rows, device, spec = largest.num_rows, model.device, model.spec
+        self.metadata = torch.zeros(ROW_PARTS * rows + largest.requests, dtype=torch.long, device=device)
+        host = torch.zeros_like(self.metadata, device="cpu")
+        self.host = host.pin_memory() if torch.device(device).type == "cuda" else host
+        self.hidden_states = torch.zeros(rows, spec.hidden_size, dtype=model.dtype, device=device)
+        self.cos = torch.zeros(rows, 1, spec.head_dim, dtype=model.dtype, device=device)
+        self.sin = torch.zeros_like(self.cos)
+        self.mask = torch.zeros(rows * largest.keys, dtype=torch.bool, device=device)
+        self.seen_rows = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.key_index = torch.arange(largest.keys, device=device)
+        self.logits = torch.zeros(rows, spec.vocab_size, dtype=torch.float32, device=device)
+        self._copied: torch.cuda.Event | None = None
+
+    def send(self, values: torch.Tensor) -> None:
+        """The host's int64 `values` into the start of the metadata buffer, in one copy (on a GPU
+        from pinned memory, asynchronously: the next send waits for it before it rewrites)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        n = values.numel()
+        self.host[:n].copy_(values)
+        self.metadata[:n].copy_(self.host[:n], non_blocking=self.host.is_pinned())
+        if self.host.is_pinned():
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+
+class StaticStep:
+    """One bucket's step: the pieces a graph captures (`embed`, `items`, `head`) over its views
+    of the shared buffers, and `load` / `logits_of` around them."""
+
+    def __init__(self, model, pool: KVPool, bucket: Bucket, buffers: StepBuffers) -> None:
+        if pool.scratch_slot is None:
+            raise ValueError("a captured step pads into its pool's scratch slot: make the pool with scratch=True")
+        self.model, self.pool, self.bucket, self.buffers = model, pool, bucket, buffers
+        m, r, width = bucket.num_rows, bucket.requests, bucket.keys
+        meta = buffers.metadata
+        self.token_ids, self.row_slots, self.positions, self.seen = meta[: ROW_PARTS * m].view(ROW_PARTS, m)
+        self.request_slots = meta[ROW_PARTS * m : ROW_PARTS * m + r]
+        self.hidden_states = buffers.hidden_states[:m]
+        self.cos, self.sin = buffers.cos[:m], buffers.sin[:m]
+        self.mask = buffers.mask[: m * width].view(r, 1, 1, bucket.rows, width)
+        self.seen_rows = buffers.seen_rows[:m].view(r, bucket.rows)
+        self.logits = buffers.logits[:m]
+        # The tables grown past the bucket's keys now: a graph holds the tensors it captured.
+        self.cos_table, self.sin_table = model.rotary.up_to(width)
+        request_slots = self.request_slots if bucket.gathered else None
+        attention = SlotRows(
+            pool, r, bucket.rows, width, self.row_slots, self.positions, request_slots, self.mask, self.seen_rows
+        )
+        packed = model.lm_head.packed  # the packed kernels of each request's rows alone (packing.kernel_ranges)
+        ranges = kernel_ranges((bucket.rows,) * r, KERNEL_MAX_ROWS) if packed else None
+        self.rows = Rows(attention, self.cos, self.sin, (1, m), ranges, (bucket.rows,) * r)
+
+    def places(self, spans: Sequence[tuple[PooledCache, int, int]]) -> list[int]:
+        """Each request's place among the bucket's: its slot where slots are read in place, else its order."""
+        return list(range(len(spans))) if self.bucket.gathered else [cache.slot for cache, _, _ in spans]
+
+    def load(self, spans: Sequence[tuple[PooledCache, int, int]], token_ids: Sequence) -> None:
+        """This step's metadata, padded to the bucket, into the buffers: (slot cache, start, rows)
+        per request with its token ids (host ints or a tensor). An idle place's rows write into
+        the scratch slot; read in place, its slot's keys (whatever they hold: finite, never NaN,
+        KVPool.release) are read and weighted by a padding row only."""
+        bucket, scratch = self.bucket, self.pool.scratch_slot
+        m, t = bucket.num_rows, bucket.rows
+        values = torch.zeros(ROW_PARTS * m + bucket.requests, dtype=torch.long)
+        ids, row_slots, positions, seen = values[: ROW_PARTS * m].view(ROW_PARTS, m)
+        requests = values[ROW_PARTS * m :]
+        row_slots.fill_(scratch)
+        seen.fill_(1)
+        requests.fill_(scratch)
+        on_device = []
+        for i, (cache, start, n), tokens in zip(self.places(spans), spans, token_ids):
+            at = slice(i * t, i * t + n)
+            if isinstance(tokens, torch.Tensor) and tokens.device.type != "cpu":
+                on_device.append((at, tokens))  # drafted on the device: copied there, not read back
+            else:
+                ids[at] = torch.as_tensor(tokens, dtype=torch.long)
+            row_slots[at] = cache.slot
+            positions[at] = torch.arange(start, start + n)
+            seen[at] = positions[at] + 1
+            requests[i] = cache.slot
+        self.buffers.send(values)
+        for at, tokens in on_device:
+            self.token_ids[at].copy_(tokens)
+
+    # The pieces: each reads and writes the buffers only.
+
+    def embed(self) -> None:
+        """Token embeddings, rotary rows and the attention mask of the loaded rows."""
+        self.hidden_states.copy_(self.model.embed[self.token_ids])
+        self.cos.copy_(self.cos_table[self.positions])
+        self.sin.copy_(self.sin_table[self.positions])
+        bucket = self.bucket
+        seen = self.seen.view(bucket.requests, 1, 1, bucket.rows, 1)
+        torch.ge(self.buffers.key_index[: bucket.keys], seen, out=self.mask)
+        self.seen_rows.copy_(self.seen.view(bucket.requests, bucket.rows))
+
+    def items(self, first: int, end: int) -> None:
+        """Items [first, end) over the residual stream, in place."""
+        h = self.hidden_states
+        for item in range(first, end):
+            h = self.model.run_item(item, h, self.rows)
+        self.hidden_states.copy_(h)
+
+    def head(self) -> None:
+        self.logits.copy_(self.model.logits(self.hidden_states, self.bucket.rows <= KERNEL_MAX_ROWS))
+
+    def logits_of(
+        self, spans: Sequence[tuple[PooledCache, int, int]], wanted: Sequence[str]
+    ) -> list[torch.Tensor | None]:
+        """Each request's logits ("all": its rows', "last": its last row's, "none": None) out of
+        the buffer, in one copy (the next step rewrites it)."""
+        logits, t = self.logits.clone(), self.bucket.rows
+        out: list[torch.Tensor | None] = []
+        for i, (_, _, n), choice in zip(self.places(spans), spans, wanted):
+            first = i * t if choice == "all" else i * t + n - 1
+            out.append(None if choice == "none" else logits[first : i * t + n])
+        return out

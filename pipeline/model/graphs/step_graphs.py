@@ -1,0 +1,97 @@
+"""A model's captured steps over one KV pool: which steps they serve, and how one runs.
+
+A forward whose requests all sit in slots of the pool, with at most the grid's rows each
+(decode, verification, a draft position), runs as its bucket's static step: the metadata
+loaded in one copy, then the embedding, the item pieces of its skip set and the LM head
+replayed (graphs.pieces). Anything else — a prefill chunk, a request with a cache of its
+own, the DP's branches, a forward that asks for hidden states — runs eagerly as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections import Counter
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.model import items
+from pipeline.model.graphs.buckets import Bucket, BucketGrid
+from pipeline.model.graphs.pieces import CudaCapture, Granularity, PieceCache, eager_capture, pieces_of
+from pipeline.model.graphs.static_step import StaticStep, StepBuffers
+from pipeline.model.kv_pool import KVPool, PooledCache
+from pipeline.model.packing import RequestRows
+
+logger = logging.getLogger(__name__)
+
+# Rows per request a captured step takes: a decode step's one, a draft position's one, and a
+# verification of up to 8 drafted tokens; wider verifications run eagerly.
+DEFAULT_ROWS = tuple(range(1, 10))
+
+
+@dataclass(frozen=True)
+class GraphSettings:
+    """How a model captures its steps: `capture` "cuda" (CUDA graphs) or "eager" (the same
+    static steps and pieces, run eagerly: a CPU's, and the tests'); `rows`, the rows per request
+    of the buckets; `granularity`, a piece per run of items or per item (graphs.pieces);
+    `max_pieces`, how many captured pieces are kept."""
+
+    capture: str = "cuda"
+    rows: tuple[int, ...] = DEFAULT_ROWS
+    granularity: Granularity = Granularity.RUNS
+    max_pieces: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.capture not in ("cuda", "eager"):
+            raise ValueError(f"capture must be 'cuda' or 'eager', got {self.capture!r}")
+
+
+class StepGraphs:
+    def __init__(self, model, pool: KVPool, settings: GraphSettings) -> None:
+        self.model, self.pool, self.settings = model, pool, settings
+        self.grid = BucketGrid.for_pool(pool.num_slots, settings.rows, pool.slot_capacity)
+        largest = Bucket(self.grid.requests[-1], self.grid.rows[-1], self.grid.keys[-1])
+        self.buffers = StepBuffers(model, largest)
+        capture = CudaCapture(torch.device(model.device)) if settings.capture == "cuda" else eager_capture
+        self.pieces = PieceCache(capture, settings.max_pieces)
+        self.num_items = items.num_items(model.spec.num_layers)
+        self._steps: dict[Bucket, StaticStep] = {}
+        self.steps_run: Counter[Bucket] = Counter()
+        logger.info(
+            "captured steps over a pool of %d slots: %d buckets (requests %s, rows %s, keys %s), %s pieces",
+            pool.num_slots, len(self.grid), self.grid.requests, self.grid.rows, self.grid.keys,
+            settings.granularity.value,
+        )  # fmt: skip
+
+    def bucket_of(self, blocks: Sequence[RequestRows]) -> Bucket | None:
+        """The bucket whose captured step serves `blocks`, or None (they run eagerly)."""
+        for block in blocks:
+            if not isinstance(block.cache, PooledCache) or block.cache.pool is not self.pool:
+                return None
+        rows = max(len(block.token_ids) for block in blocks)
+        keys = max(block.start + len(block.token_ids) for block in blocks)
+        bucket = self.grid.bucket_for(len(blocks), rows, keys)
+        if bucket is None or max(block.cache.slot for block in blocks) < bucket.requests:
+            return bucket  # (the pool hands out low slots first: the usual case)
+        return dataclasses.replace(bucket, gathered=True)
+
+    def run(
+        self, bucket: Bucket, blocks: Sequence[RequestRows], skip: Collection[int], wanted: Sequence[str]
+    ) -> list[torch.Tensor | None]:
+        """`blocks` through the items not in `skip` as `bucket`'s step: each one's logits as `wanted`."""
+        step = self._steps.get(bucket)
+        if step is None:
+            step = self._steps[bucket] = StaticStep(self.model, self.pool, bucket, self.buffers)
+        spans = [(block.cache, block.start, len(block.token_ids)) for block in blocks]
+        for cache, start, n in spans:
+            cache.check_room(start + n)
+        step.load(spans, [block.token_ids for block in blocks])
+        self.pieces.run((bucket, "embed"), lambda: step.embed)
+        for first, end in pieces_of(self.num_items, skip, self.settings.granularity):
+            self.pieces.run((bucket, first, end), lambda f=first, e=end: functools.partial(step.items, f, e))
+        self.pieces.run((bucket, "head"), lambda: step.head)
+        self.steps_run[bucket] += 1
+        return step.logits_of(spans, wanted)

@@ -1,0 +1,207 @@
+"""Captured steps (pipeline/model/graphs) on a CPU, where they run eagerly over the same
+static buffers and pieces a GPU captures: the buckets and their padding, the pieces a skip
+set replays and in what order, a step's results against the eager forward's, padding that
+leaves the requests' slots alone, a later step that only rewrites the buffers, and a batch
+decoded through them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.decoding.decode import decode
+from pipeline.decoding.loop import DecodeConfig, prefill
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest
+from pipeline.errors import ConfigError
+from pipeline.model import short_attention
+from pipeline.model.graphs import Granularity, GraphSettings
+from pipeline.model.graphs.buckets import Bucket, BucketGrid, key_ladder, request_ladder
+from pipeline.model.graphs.pieces import PieceCache, item_runs, pieces_of
+from pipeline.model.linear import fp16w_available
+from pipeline.model.packing import RequestRows
+from tests.builders import assert_same_or_near_tie, load_tiny, mixed_drafters, repeating_prompt
+from tests.host_sync import HostSyncCheck
+
+MODES = ["fp32", "bf16", pytest.param("fp16w", marks=pytest.mark.skipif(not fp16w_available(), reason="FBGEMM"))]
+
+
+def test_ladders():
+    assert request_ladder(1) == (1,)
+    assert request_ladder(3) == (1, 2, 3)
+    assert request_ladder(5) == (1, 2, 4, 5)
+    assert request_ladder(6) == (1, 2, 4, 6)
+    assert request_ladder(32) == (1, 2, 4, 8, 16, 24, 32)
+    assert request_ladder(20) == (1, 2, 4, 8, 16, 20)
+    assert key_ladder(200) == (200,)
+    assert key_ladder(4104) == (512, 1024, 2048, 4096, 4104)
+    assert key_ladder(1024) == (512, 1024)
+    with pytest.raises(ConfigError):
+        request_ladder(0)
+
+
+def test_a_step_takes_the_smallest_bucket_that_holds_it():
+    grid = BucketGrid.for_pool(32, [1, 3, 5], 4104)
+    assert grid.bucket_for(1, 1, 10) == Bucket(1, 1, 512)
+    assert grid.bucket_for(3, 2, 513) == Bucket(4, 3, 1024)
+    assert grid.bucket_for(9, 5, 4100) == Bucket(16, 5, 4104)
+    assert grid.bucket_for(32, 1, 4104) == Bucket(32, 1, 4104)
+    assert grid.bucket_for(33, 1, 10) is None  # more requests than the pool has slots
+    assert grid.bucket_for(1, 6, 10) is None  # a wider verification than any bucket
+    assert grid.bucket_for(1, 1, 4105) is None
+    assert len(grid) == 7 * 3 * 5
+    with pytest.raises(ConfigError, match="ascending"):
+        BucketGrid((1, 2), (3, 1), (8,))
+
+
+def test_a_skip_set_replays_its_runs_of_items():
+    assert item_runs(8, ()) == [(0, 8)]
+    assert item_runs(8, {2, 3}) == [(0, 2), (4, 8)]
+    assert item_runs(8, {0, 7}) == [(1, 7)]
+    assert item_runs(4, {0, 1, 2, 3}) == []
+    assert pieces_of(6, {2}, Granularity.RUNS) == [(0, 2), (3, 6)]
+    assert pieces_of(6, {2}, Granularity.ITEMS) == [(0, 1), (1, 2), (3, 4), (4, 5), (5, 6)]
+
+
+def test_pieces_are_captured_once_and_replayed_in_plan_order():
+    ran, captured = [], []
+
+    def capture(piece):  # as a CUDA graph's capture: the step's own run, then replays
+        captured.append(piece)
+        piece()
+        return piece
+
+    cache = PieceCache(capture, max_pieces=3)
+    for plan in ([(0, 4)], [(0, 1), (2, 4)], [(0, 4)], [(0, 1), (2, 4)]):
+        for first, end in plan:
+            cache.run((first, end), lambda f=first, e=end: lambda: ran.append((f, e)))
+    assert ran == [(0, 4), (0, 1), (2, 4), (0, 4), (0, 1), (2, 4)]
+    assert cache.captures == len(captured) == 3
+    cache.run("other", lambda: lambda: ran.append("other"))  # past max_pieces: the least recently used goes
+    assert len(cache) == 3 and (0, 4) not in cache and (0, 1) in cache
+
+
+def pooled_caches(model, lengths=(40, 70, 100), capacity=200, slots=(0, 1, 2), num_slots=4):
+    """Requests prefilled in the given slots of a new pool, in that order."""
+    pool = model.new_pool(num_slots, capacity)
+    held = [pool.acquire(capacity) for _ in range(num_slots)]
+    caches = [held[slot] for slot in slots]
+    for cache in held:
+        if cache.slot not in slots:
+            pool.release(cache)
+    for seed, (cache, n) in enumerate(zip(caches, lengths)):
+        model.prefill(cache, repeating_prompt(n, seed))
+        cache.commit(n)
+    return caches
+
+
+def blocks_of(caches, rows):
+    return [RequestRows(c, list(range(5, 5 + n)), c.length) for c, n in zip(caches, rows)]
+
+
+# Requests in slots below the bucket's request count are read in place; one past it (slot 5 of
+# three requests) makes the step gather its slots.
+LAYOUTS = {"in place": (0, 1, 2), "out of order": (2, 0, 1), "gathered": (5, 0, 2)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_captured_step_gives_the_eager_forwards_logits(tiny_checkpoint, mode, layout):
+    """Decode and verify steps (padded: three requests in a bucket of four, rows to three), the
+    full model and drafts' sub-networks, against the same forward run eagerly."""
+    _, model = load_tiny(tiny_checkpoint, mode)
+    slots = LAYOUTS[layout]
+    eager = pooled_caches(model, slots=slots, num_slots=6)  # a pool without a scratch slot: the eager route
+    model.use_graphs(GraphSettings(capture="eager"))
+    captured = pooled_caches(model, slots=slots, num_slots=6)
+    graphs = None
+    for skip in [(), (2, 3), (1,), (0, 1, 2)]:
+        for rows in ([1, 1, 1], [3, 1, 2]):
+            expected = model.run_blocks(blocks_of(eager, rows), skip, "all")[0]
+            got = model.forward_batch(blocks_of(captured, rows), skip, "all")
+            graphs = captured[0].pool.graphs
+            tolerance = 1e-5 if mode == "fp32" else 5e-2
+            for e, g in zip(expected, got):
+                assert g.shape == e.shape
+                torch.testing.assert_close(g, e, atol=tolerance * float(e.abs().max()), rtol=0)
+    assert sum(graphs.steps_run.values()) == 8
+    gathered = layout == "gathered"
+    assert set(graphs.steps_run) == {Bucket(4, 1, 200, gathered), Bucket(4, 3, 200, gathered)}
+
+
+def test_padding_leaves_every_slot_but_the_scratch_one_alone(tiny_llama):
+    _, model = load_tiny(tiny_llama)
+    model.use_graphs(GraphSettings(capture="eager"))
+    caches = pooled_caches(model)
+    pool = caches[0].pool
+    before_keys, before_values = pool.keys.clone(), pool.values.clone()
+    rows = [3, 1, 2]
+    model.forward_batch(blocks_of(caches, rows), (), "last")
+    changed = (pool.keys != before_keys).any(-1) | (pool.values != before_values).any(-1)  # [L, slots, kv, pos]
+    for cache, n in zip(caches, rows):
+        touched = changed[:, cache.slot].any(0).any(0).nonzero().flatten().tolist()
+        assert touched == list(range(cache.length, cache.length + n))
+    assert pool.scratch_slot == 4 and pool.num_slots == 4 and changed[:, pool.scratch_slot].any()
+    assert not changed[:, 3].any()  # the free slot
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+def test_a_later_step_replays_over_the_rewritten_buffers_without_the_host(tiny_llama, mode, monkeypatch):
+    """Once a bucket's pieces are captured, a step with other tokens, positions and skip set of
+    the same bucket captures nothing new, and its pieces read nothing back from the host (as the
+    GPU runs them: no CPU kernels)."""
+    monkeypatch.setattr(short_attention, "_enabled", False)
+    monkeypatch.setattr(short_attention, "linear_kernel", lambda: None)
+    _, model = load_tiny(tiny_llama, mode)
+    eager = pooled_caches(model)
+    model.use_graphs(GraphSettings(capture="eager"))
+    captured = pooled_caches(model)
+    model.forward_batch(blocks_of(captured, [1, 1, 1]), (2,), "all")
+    model.forward_batch(blocks_of(eager, [1, 1, 1]), (2,), "all")
+    graphs = captured[0].pool.graphs
+    captures = graphs.pieces.captures
+    for cache in eager + captured:
+        cache.advance(1)
+
+    def replaying(piece_cache_run):
+        def run(key, make):
+            assert key in graphs.pieces, f"piece {key} was not captured"
+            with HostSyncCheck():
+                piece_cache_run(key, make)
+
+        return run
+
+    monkeypatch.setattr(graphs.pieces, "run", replaying(graphs.pieces.run))
+    got = model.forward_batch([RequestRows(c, [9], c.length) for c in captured], (2,), "all")
+    expected = model.forward_batch([RequestRows(c, [9], c.length) for c in eager], (2,), "all")
+    assert graphs.pieces.captures == captures
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=1e-5 if mode == "fp32" else 5e-2 * float(e.abs().max()), rtol=0)
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("mode", MODES)
+def test_a_batch_decoded_through_captured_steps_equals_each_request_alone(tiny_checkpoint, mode):
+    """Mixed prompts, limits and drafters (copies, a fixed skip set, KnapSpec) in a continuous
+    batch whose decode, verify and draft steps run as captured steps, against each request
+    decoded alone eagerly: greedy tokens as the mode promises."""
+    _, model = load_tiny(tiny_checkpoint, mode)
+    prompts = [repeating_prompt(n, seed) for seed, n in enumerate((5, 40, 90, 23, 60))]
+    limits = [30, 12, 25, 6, 18]
+    expected = [
+        decode(model, prefill(model, p, m), DecodeConfig(m), SamplingParams()).token_ids
+        for p, m in zip(prompts, limits)
+    ]
+    model.use_graphs(GraphSettings(capture="eager"))
+    batcher = ContinuousBatcher(model, max_batch=4, slot_positions=160)  # (prompts chunked as alone)
+    tickets = [
+        batcher.submit(GenerationRequest(p, DecodeConfig(m), SamplingParams(), d))
+        for p, m, d in zip(prompts, limits, mixed_drafters(model))
+    ]
+    finished = {done.ticket: done for done in batcher.run()}
+    for ticket, prompt, reference in zip(tickets, prompts, expected):
+        assert finished[ticket].error is None
+        assert_same_or_near_tie(model, prompt, finished[ticket].result.token_ids, reference)
+    graphs = batcher.pool.graphs
+    assert graphs is not None and sum(graphs.steps_run.values()) > 10
+    assert any(bucket.rows > 1 for bucket in graphs.steps_run), "verification steps must run captured"
