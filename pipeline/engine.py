@@ -95,7 +95,8 @@ class Engine:
                 self.hf_config, checkpoint.read_tensors(self.path), self.mode, self.device
             )
         self.model = model
-        if self.device.type == "cuda" and not config.enforce_eager and hasattr(model, "use_graphs"):
+        if self.device.type == "cuda" and not config.enforce_eager and isinstance(model, SublayerModel):
+            # (a pipelined model's stages run their own steps eagerly)
             model.use_graphs(GraphSettings(capture="cuda"))
         self.eos_token_ids = eos_token_ids(self.path, self.hf_config, self.tokenizer)
         self.sentences = SentenceEnds(self.tokenizer)

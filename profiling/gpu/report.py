@@ -1,0 +1,175 @@
+"""The GPU check's report: one section per stage (a failed stage's error in its place), and
+the issue's targets judged from what was measured."""
+
+from __future__ import annotations
+
+# What the captured step must reach at 4k context (docs/gpu.md): fractions of the bandwidth
+# floor at batch 1 and 32, a draft's cost over its unskipped share of bytes, KnapSpec's
+# predicted speed-up at batch 1.
+FLOOR_TARGETS = {1: 0.8, 32: 0.85}
+DRAFT_SLACK = 0.1
+SPEEDUP_TARGET = 1.2
+TARGET_CONTEXT = 4096
+
+
+def _section(title: str, result, lines: list[str]) -> list[str]:
+    if isinstance(result, dict) and "error" in result:
+        return [f"## {title}", "", f"FAILED: {result['error']}", ""]
+    return [f"## {title}", "", *lines, ""]
+
+
+def steps_lines(costs: list[dict], verify_rows: list[int]) -> list[str]:
+    lines = [
+        "| batch | context | eager ms | graphs ms | floor ms | floor / eager | floor / graphs | kernels eager | "
+        "kernels graphs | launches eager | launches graphs | host ms eager | host ms graphs | "
+        + " | ".join(f"verify {k} / 1" for k in verify_rows) + " |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(verify_rows),
+    ]  # fmt: skip
+    for row in costs:
+        if "skipped" in row:
+            lines.append(f"| {row['batch']} | {row['context']} | skipped: {row['skipped']} |")
+            continue
+        lines.append(
+            f"| {row['batch']} | {row['context']} | {row['eager_ms']:.2f} | {row['graphs_ms']:.2f} "
+            f"| {row['floor_ms']:.2f} | {row['eager_floor_over_step']:.2f} | {row['graphs_floor_over_step']:.2f} "
+            f"| {row['eager_kernels']} | {row['graphs_kernels']} | {row['eager_launches']} | {row['graphs_launches']} "
+            f"| {row['eager_host_ms']:.2f} | {row['graphs_host_ms']:.2f} | "
+            + " | ".join(f"{row[f'verify_{k}_over_1']:.2f}" for k in verify_rows) + " |"
+        )  # fmt: skip
+    lines += [
+        "",
+        (
+            "Drafts (captured): a sub-network skipping `attention/MLP` items, its step over the `ar` step, against "
+            f"the share s of the step's bytes it skips; the target is at most (1 − s) + {DRAFT_SLACK}."
+        ),
+        "",
+        "| batch | context | skipped items | bytes skipped | draft / ar | (1 − s) + 0.1 | within |",
+        "|---:|---:|---|---:|---:|---:|---|",
+    ]
+    for row in costs:
+        if "skipped" in row:
+            continue
+        for key, ratio in sorted(row["draft_over_ar"].items(), key=lambda kv: row["draft_bytes_skipped"][kv[0]]):
+            share = row["draft_bytes_skipped"][key]
+            bound = 1 - share + DRAFT_SLACK
+            lines.append(
+                f"| {row['batch']} | {row['context']} | {key} | {share:.0%} | {ratio:.2f} | {bound:.2f} "
+                f"| {'yes' if ratio <= bound else 'no'} |"
+            )
+    return lines
+
+
+def knapspec_lines(plans: list[dict], acceptance: dict) -> list[str]:
+    lines = [
+        (
+            "KnapSpec's predicted speed-up over `ar` at the same batch: this model's captured draft and verify "
+            f"steps, with the α that drafts skipping the same shares of items reached on {acceptance.get('model', '?')}"
+            f" ({acceptance.get('dtype', '?')}, {acceptance.get('context_length', '?')}-token prompts, "
+            f"{len(acceptance.get('documents', []))} documents; jobs/acceptance.py). Random weights have no "
+            "meaningful acceptance: these are predictions from measured step times and borrowed α, not measured "
+            "speed-ups. γ is searched over the verify widths timed; AR where no draft wins."
+        ),
+        "",
+        "| batch | context | best draft | attention skipped | MLP skipped | α | draft / ar step | γ | predicted speed-up |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for plan in plans:
+        if plan["gamma"] == 0:
+            lines.append(f"| {plan['batch']} | {plan['context']} | AR | — | — | — | — | — | 1.00× |")
+            continue
+        lines.append(
+            f"| {plan['batch']} | {plan['context']} | {plan['kind']} | {plan['attention_skipped']:.0%} "
+            f"| {plan['mlp_skipped']:.0%} | {plan['alpha']:.2f} | {plan['draft_over_ar']:.2f} | {plan['gamma']} "
+            f"| {plan['speedup']:.2f}× |"
+        )
+    return lines
+
+
+def prefill_lines(result: dict) -> list[str]:
+    return [
+        (
+            f"{result['tokens']} prompt tokens in chunks of {result['chunk']}: {result['tokens_per_s']:.0f} tokens/s, "
+            f"{result['tflops']:.3g} TFLOP/s, {result['of_peak']:.2f} of the matmul peak at the model's shapes "
+            f"({result['peak_tflops']:.3g} TFLOP/s, same run)."
+        )
+    ]
+
+
+def equality_lines(result: dict) -> list[str]:
+    verdict = "PASS" if not result["failures"] else "FAIL"
+    lines = [
+        (
+            f"Greedy equality, tiny model in fp32 on the device, batched against alone: {verdict} — eager "
+            f"{result['eager_equal']} of {result['requests']} equal ({result['eager_near_ties']} at a near-tie), "
+            f"captured {result['graphs_equal']} of {result['requests']} ({result['graphs_near_ties']} at a near-tie; "
+            f"{result.get('captured_steps', 0)} captured steps); captured equals eager on "
+            f"{result['graphs_equal_eager']}."
+        ),
+        "",
+        f"bf16 row drift on the device (a logit's largest move between a one-row decode and verify blocks of 2-11 "
+        f"rows, alone and pooled, relative to its row's largest): {result['bf16_drift']:.3g}"
+        + (" (row-exact kernels)" if result["bf16_row_exact"] else f"; bound {result['bf16_drift_bound']:g}."),
+    ]
+    return lines + [f"- {failure}" for failure in result["failures"]]
+
+
+def sampling_lines(result: dict) -> list[str]:
+    verdict = "PASS" if not result["failures"] else "FAIL"
+    lines = [
+        (
+            f"Speculative sampling on the device (captured steps, drafts skipping items, temperature 1, top-k 4): "
+            f"{verdict} — {result['samples']} samples of (t1, t2, t3) over {result['cells']} sequences, χ² "
+            f"{result['chi_square']:.1f} on {result['dof']} degrees of freedom, p = {result['p_value']:.3f}; "
+            f"{result['acceptance']:.0%} of drafted tokens accepted."
+        )
+    ]
+    return lines + [f"- {failure}" for failure in result["failures"]]
+
+
+def target_lines(results: dict) -> list[str]:
+    """The targets, judged at TARGET_CONTEXT from what was measured."""
+    lines = []
+    costs = results.get("steps")
+    if isinstance(costs, list):
+        for row in costs:
+            if row["context"] != TARGET_CONTEXT or "skipped" in row:
+                continue
+            target = FLOOR_TARGETS.get(row["batch"])
+            if target is not None:
+                got = row["graphs_floor_over_step"]
+                lines.append(f"- batch {row['batch']}: the captured step at {got:.2f} of the floor (target ≥ {target}): "
+                             f"{'met' if got >= target else 'not met'}")  # fmt: skip
+            misses = [k for k, r in row["draft_over_ar"].items() if r > 1 - row["draft_bytes_skipped"][k] + DRAFT_SLACK]
+            lines.append(f"- batch {row['batch']}: drafts within (1 − s) + {DRAFT_SLACK}: "
+                         f"{len(row['draft_over_ar']) - len(misses)} of {len(row['draft_over_ar'])}")  # fmt: skip
+    plans = results.get("knapspec")
+    if isinstance(plans, list):
+        for plan in plans:
+            if plan["batch"] == 1 and plan["context"] == TARGET_CONTEXT:
+                lines.append(f"- batch 1: KnapSpec's predicted speed-up {plan['speedup']:.2f}× (target ≥ "
+                             f"{SPEEDUP_TARGET}×): {'met' if plan['speedup'] >= SPEEDUP_TARGET else 'not met'}")  # fmt: skip
+    return lines or ["(no step measured at the target context)"]
+
+
+def format_report(header: dict, results: dict, only: str | None = None) -> str:
+    """The whole report, or with `only` the section of that stage (and the targets after it)."""
+    lines = [
+        f"GPU check on {header['device']}: {header['shape']}-shaped model, random weights, {header['mode']}, one process.",
+        "",
+    ]
+    builders = {
+        "steps": ("Steps: eager and captured", lambda r: steps_lines(r, header["verify_rows"])),
+        "knapspec": ("KnapSpec's predictions", lambda r: knapspec_lines(r, header["acceptance"])),
+        "prefill": ("Prefill", prefill_lines),
+        "equality": ("Greedy equality", equality_lines),
+        "sampling": ("Speculative sampling", sampling_lines),
+    }
+    if only is not None:
+        lines = []
+    for stage, (title, build) in builders.items():
+        if stage in results and only in (None, stage):
+            result = results[stage]
+            lines += _section(title, result, [] if isinstance(result, dict) and "error" in result else build(result))
+    if ("steps" in results or "knapspec" in results) and only in (None, "steps", "knapspec"):
+        lines += ["## Targets", "", *target_lines(results), ""]
+    return "\n".join(lines).rstrip()

@@ -1,0 +1,207 @@
+"""What a step costs on one device, eager and captured side by side.
+
+A step is timed with the device synchronized after each call (median of `iterations` after two
+warm-ups); the host's share is the time until the call returns, before synchronizing (what the
+host spends issuing it); the kernels and launches of one step come from `torch.profiler`. The
+bandwidth floor is the bytes a step must read — the weights once, every request's KV cache —
+at the copy bandwidth measured on the device. A draft's bytes are the step's less its skipped
+items' weights and, for attention, their layers' KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.model import items
+from pipeline.model.packing import RequestRows
+from profiling.benchmark.prefill import linear_shapes, prompt_flops
+
+logger = logging.getLogger(__name__)
+
+# Host calls that launch work on a GPU: a kernel each, or a whole captured graph.
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, iterations: int) -> float:
+    """Median seconds of `fn` after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(iterations):
+        started = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def host_seconds(fn: Callable[[], object], device: torch.device, iterations: int) -> float:
+    """Median seconds until `fn` returns, the device idle before each call: the host's part."""
+    times = []
+    for _ in range(iterations):
+        synchronize(device)
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    synchronize(device)
+    return statistics.median(times)
+
+
+def launches(fn: Callable[[], object], device: torch.device) -> dict[str, int]:
+    """One call's device kernels and host launches (a graph's replay is one launch); on a CPU,
+    its ATen operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        synchronize(device)
+    events = prof.events()
+    if device.type != "cuda":
+        return {"kernels": sum(1 for e in events if e.name.startswith("aten::")), "launches": 0}
+    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {"kernels": kernels, "launches": sum(1 for e in events if e.name in LAUNCH_CALLS)}
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second a device-to-device copy moves (read plus write)."""
+    num_bytes = (1 << 30) if device.type == "cuda" else (1 << 26)
+    source = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=device)
+    target = torch.empty_like(source)
+    return 2 * num_bytes / timed(lambda: target.copy_(source), device, 10)
+
+
+def item_weight_bytes(model) -> tuple[int, int, int]:
+    """Bytes of one attention item's weights, one MLP item's, and the LM head's."""
+
+    def size(linear) -> int:
+        return linear.weight.numel() * linear.weight.element_size()
+
+    layer = model.layers[0]
+    return size(layer.qkv) + size(layer.o), size(layer.gate_up) + size(layer.down), size(model.lm_head)
+
+
+def position_bytes(model) -> int:
+    """One position's keys and values in one layer."""
+    spec = model.spec
+    return 2 * spec.num_kv_heads * spec.head_dim * model.embed.element_size()
+
+
+def step_bytes(model, batch: int, context: int, skip: frozenset[int] = frozenset()) -> int:
+    """What a one-row step over `batch` requests of `context` positions must read."""
+    attention, mlp, head = item_weight_bytes(model)
+    kv = batch * context * position_bytes(model)
+    total = head
+    for item in range(items.num_items(model.spec.num_layers)):
+        if item not in skip:
+            total += attention + kv if items.is_attention(item) else mlp
+    return total
+
+
+def pool_fits(model, batch: int, positions: int) -> str | None:
+    """Why a pool of `batch` slots of `positions` would not fit the device's free memory, or None."""
+    needed = (batch + 1) * positions * position_bytes(model) * model.spec.num_layers
+    if model.device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(model.device)
+    if needed > 0.8 * free:
+        return f"a KV pool of {needed / 2**30:.1f} GiB does not fit in {free / 2**30:.1f} GiB free"
+    return None
+
+
+def step_costs(
+    model, batch_sizes: list[int], contexts: list[int], verify_rows: list[int], iterations: int,
+    skips: dict[str, frozenset[int]],
+) -> list[dict]:  # fmt: skip
+    """Per context and batch: the `ar` step eager and captured (ms, the floor's fraction,
+    kernels and launches, host ms), verify(k) over one row and each draft's step over the
+    `ar` step (captured), with the share of the step's bytes each draft skips."""
+    device = model.device
+    bandwidth = copy_bandwidth(device)
+    rows = []
+    for context in contexts:
+        for batch in batch_sizes:
+            capacity = context + max(verify_rows)
+            too_big = pool_fits(model, batch, capacity)
+            if too_big is not None:
+                logger.warning("batch %d, context %d skipped: %s", batch, context, too_big)
+                rows.append({"batch": batch, "context": context, "skipped": too_big})
+                continue
+            pool = model.new_pool(batch, capacity)
+            caches = [pool.acquire(capacity) for _ in range(batch)]
+            for cache in caches:
+                cache.commit(context)  # what the keys hold does not change what reading them costs
+
+            def step(k: int, skip: frozenset[int] = frozenset(), captured: bool = True, caches=caches):
+                blocks = [RequestRows(c, list(range(10, 10 + k)), c.length) for c in caches]
+                if captured:
+                    return lambda: model.forward_batch(blocks, skip=skip)
+                return lambda: model.run_blocks(blocks, skip, "all")
+
+            floor = step_bytes(model, batch, context) / bandwidth
+            row = {"batch": batch, "context": context, "floor_ms": floor * 1e3}
+            for path, captured in (("eager", False), ("graphs", True)):
+                seconds = timed(step(1, captured=captured), device, iterations)
+                row[f"{path}_ms"] = seconds * 1e3
+                row[f"{path}_floor_over_step"] = floor / seconds
+                row[f"{path}_host_ms"] = host_seconds(step(1, captured=captured), device, iterations) * 1e3
+                counted = launches(step(1, captured=captured), device)
+                row[f"{path}_kernels"], row[f"{path}_launches"] = counted["kernels"], counted["launches"]
+            ar = row["graphs_ms"] / 1e3
+            row["tokens_per_s"] = batch / ar
+            for k in verify_rows:
+                row[f"verify_{k}_over_1"] = timed(step(k), device, iterations) / ar
+            full = step_bytes(model, batch, context)
+            row["draft_over_ar"] = {key: timed(step(1, skip), device, iterations) / ar for key, skip in skips.items()}
+            row["draft_bytes_skipped"] = {
+                key: 1 - step_bytes(model, batch, context, skip) / full for key, skip in skips.items()
+            }
+            logger.info(
+                "batch %d, context %d: ar step %.2f ms eager, %.2f ms captured (floor %.2f ms)",
+                batch, context, row["eager_ms"], row["graphs_ms"], floor * 1e3,
+            )  # fmt: skip
+            rows.append(row)
+            for cache in caches:
+                pool.release(cache)
+            del pool, caches
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def prefill_speed(model, tokens: int, chunk: int, iterations: int) -> dict:
+    """Prompt reading in chunks of `chunk` tokens: tokens/s and its FLOP rate against the
+    device's matmul peak at the model's shapes and a chunk's rows (same dtype, same run)."""
+    device = model.device
+    ids = torch.randint(3, model.spec.vocab_size, (tokens,), device=device)
+    cache = model.new_cache(tokens)
+
+    def read() -> None:
+        cache.crop(0)
+        model.prefill(cache, ids, chunk)
+
+    seconds = timed(read, device, iterations)
+    flops = prompt_flops(model.spec, tokens)
+    peak_flops = peak_seconds = 0.0
+    for out, inner in linear_shapes(model.spec):
+        x = torch.randn(chunk, inner, device=device).to(model.dtype)
+        weight = (torch.randn(out, inner, device=device) * inner**-0.5).to(model.dtype)
+        peak_seconds += timed(lambda x=x, weight=weight: F.linear(x, weight), device, iterations)
+        peak_flops += 2.0 * chunk * out * inner
+    peak = peak_flops / peak_seconds
+    return {
+        "tokens": tokens, "chunk": chunk, "tokens_per_s": tokens / seconds, "tflops": flops / seconds / 1e12,
+        "peak_tflops": peak / 1e12, "of_peak": flops / seconds / peak,
+    }  # fmt: skip
