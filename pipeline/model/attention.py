@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.model.flex import SlotBlocks, flex_slot_attention
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.kv_pool import KVPool
 from pipeline.model.layers import (
@@ -129,6 +130,7 @@ class SlotRows:
     request_slots: torch.Tensor | None
     hidden: torch.Tensor
     seen: torch.Tensor  # int32 [R, T]: the keys each row sees, as the fused CPU kernel takes them
+    flex: SlotBlocks | None = None  # attention through FlexAttention over this block mask (flex.py)
 
 
 @dataclass(frozen=True)
@@ -210,6 +212,9 @@ class Attention:
         pool = rows.pool
         pool.keys[layer][rows.row_slots, :, rows.positions] = k
         pool.values[layer][rows.row_slots, :, rows.positions] = v
+        if rows.flex is not None:
+            keys, values = pool.keys[layer][: rows.requests], pool.values[layer][: rows.requests]
+            return flex_slot_attention(q, keys, values, rows.flex, self.scale)
         keys, values = pool.keys[layer][:, :, : rows.width], pool.values[layer][:, :, : rows.width]
         if rows.request_slots is None:
             keys, values = keys[: rows.requests], values[: rows.requests]

@@ -122,9 +122,23 @@ def fused_attention(
     return out
 
 
-def split_attention_available() -> bool:
-    """Whether PyTorch has the CPU flash kernel that returns its log-sum-exp (split_attention)."""
-    return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+# PyTorch's flash kernels that return their log-sum-exp, by device (split_attention).
+_FLASH_WITH_LSE = {"cpu": "_scaled_dot_product_flash_attention_for_cpu", "cuda": "_scaled_dot_product_flash_attention"}
+
+
+def split_attention_available(device: torch.device | str = "cpu") -> bool:
+    """Whether PyTorch has the flash kernel split_attention needs on `device`'s type."""
+    name = _FLASH_WITH_LSE.get(torch.device(device).type)
+    return name is not None and hasattr(torch.ops.aten, name)
+
+
+def _flash(q, k, v, is_causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output [B, H, L, E], log-sum-exp [B, H, L]) of PyTorch's flash kernel on q's device."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=is_causal, scale=scale)
+        return out, lse
+    result = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+    return result[0], result[1]
 
 
 def split_attention(
@@ -136,8 +150,8 @@ def split_attention(
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fused_attention's long block on a CPU in `dtype` (bf16) without a mask: q [T, H, head_dim]
-    at positions [start, start + T) over keys/values [kv_heads, start + T, head_dim].
+    """fused_attention's long block in `dtype` (bf16; on a GPU, bf16 or fp16) without a mask:
+    q [T, H, head_dim] at positions [start, start + T) over keys/values [kv_heads, start + T, head_dim].
 
     A chunk after the first sees every key before it and its own causally. With a boolean mask
     PyTorch's flash kernel computes all start + T columns of every row; here the keys before the
@@ -149,16 +163,15 @@ def split_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[0]
     groups = num_heads // num_kv_heads
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     heads_first = q.transpose(0, 1).to(dtype)  # [H, T, head_dim]
     own_k, own_v = (x[None, :, start:].to(dtype).repeat_interleave(groups, 1) for x in (keys, values))
     if start == 0:
-        attended = flash(heads_first[None], own_k, own_v, is_causal=True, scale=scale)[0][0]
+        attended = _flash(heads_first[None], own_k, own_v, True, scale)[0][0]
     else:
         folded = heads_first.reshape(1, num_kv_heads, groups * num_tokens, head_dim)
         earlier = (x[None, :, :start].to(dtype) for x in (keys, values))
-        before, lse_before = flash(folded, *earlier, scale=scale)
-        own, lse_own = flash(heads_first[None], own_k, own_v, is_causal=True, scale=scale)
+        before, lse_before = _flash(folded, *earlier, False, scale)
+        own, lse_own = _flash(heads_first[None], own_k, own_v, True, scale)
         # softmax over both key sets = each part's softmax weighted by its share of the total mass
         share = torch.sigmoid(lse_before.reshape(num_heads, num_tokens) - lse_own[0])[..., None]
         own = own[0].float()

@@ -15,6 +15,7 @@ from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest
 from pipeline.errors import ConfigError
 from pipeline.model import short_attention
+from pipeline.model.flex import flex_available
 from pipeline.model.graphs import Granularity, GraphSettings
 from pipeline.model.graphs.buckets import Bucket, BucketGrid, key_ladder, request_ladder
 from pipeline.model.graphs.pieces import PieceCache, item_runs, pieces_of
@@ -59,8 +60,10 @@ def test_a_skip_set_replays_its_runs_of_items():
     assert item_runs(8, {2, 3}) == [(0, 2), (4, 8)]
     assert item_runs(8, {0, 7}) == [(1, 7)]
     assert item_runs(4, {0, 1, 2, 3}) == []
-    assert pieces_of(6, {2}, Granularity.RUNS) == [(0, 2), (3, 6)]
-    assert pieces_of(6, {2}, Granularity.ITEMS) == [(0, 1), (1, 2), (3, 4), (4, 5), (5, 6)]
+    assert pieces_of(6, {2}, Granularity.RUNS) == [((0, 2),), ((3, 6),)]
+    assert pieces_of(6, {2}, Granularity.ITEMS) == [((0, 1),), ((1, 2),), ((3, 4),), ((4, 5),), ((5, 6),)]
+    assert pieces_of(6, {2}, Granularity.PLANS) == [((0, 2), (3, 6))]
+    assert pieces_of(2, {0, 1}, Granularity.PLANS) == []
 
 
 def test_pieces_are_captured_once_and_replayed_in_plan_order():
@@ -127,6 +130,27 @@ def test_a_captured_step_gives_the_eager_forwards_logits(tiny_checkpoint, mode, 
     assert sum(graphs.steps_run.values()) == 8
     gathered = layout == "gathered"
     assert set(graphs.steps_run) == {Bucket(4, 1, 200, gathered), Bucket(4, 3, 200, gathered)}
+
+
+@pytest.mark.parametrize(
+    ("granularity", "pieces"),
+    # One bucket: the embedding and the head, then the pieces of the skip sets (), (2, 3), (1,) of
+    # the 8 items — runs [0, 8), [0, 2), [4, 8), [0, 1), [2, 8); each of the 8 items; one per plan.
+    [(Granularity.RUNS, 2 + 5), (Granularity.ITEMS, 2 + 8), (Granularity.PLANS, 2 + 3)],
+)
+def test_every_granularity_replays_the_same_step(tiny_llama, granularity, pieces):
+    _, model = load_tiny(tiny_llama)
+    eager = pooled_caches(model)
+    model.use_graphs(GraphSettings(capture="eager", granularity=granularity))
+    captured = pooled_caches(model)
+    for _ in range(2):  # the second time, every piece replays
+        for skip in [(), (2, 3), (1,)]:
+            expected = model.run_blocks(blocks_of(eager, [2, 1, 2]), skip, "all")[0]
+            got = model.forward_batch(blocks_of(captured, [2, 1, 2]), skip, "all")
+            for e, g in zip(expected, got):
+                torch.testing.assert_close(g, e, atol=1e-5, rtol=0)
+    graphs = captured[0].pool.graphs
+    assert graphs.pieces.captures == len(graphs.pieces) == pieces
 
 
 def test_padding_leaves_every_slot_but_the_scratch_one_alone(tiny_llama):
@@ -205,3 +229,25 @@ def test_a_batch_decoded_through_captured_steps_equals_each_request_alone(tiny_c
     graphs = batcher.pool.graphs
     assert graphs is not None and sum(graphs.steps_run.values()) > 10
     assert any(bucket.rows > 1 for bucket in graphs.steps_run), "verification steps must run captured"
+
+
+@pytest.mark.skipif(not flex_available(), reason="PyTorch without FlexAttention")
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+def test_flex_attention_reads_each_requests_own_keys_as_the_matmuls_do(tiny_llama, mode):
+    """The GPU's route (FlexAttention, compiled here by Inductor for the CPU): requests in slots
+    0 and 2 of a pool of four (the idle place 1 reads one block), one bucket of keys, against the
+    eager forward; two steps of the same bucket at lengths 128 keys apart (one more block read)."""
+    _, model = load_tiny(tiny_llama, mode)
+    lengths, slots = (40, 170), (0, 2)
+    eager = pooled_caches(model, lengths, capacity=400, slots=slots)
+    model.use_graphs(GraphSettings(capture="eager", attention="flex"))
+    captured = pooled_caches(model, lengths, capacity=400, slots=slots)
+    for step in range(2):
+        expected = model.run_blocks(blocks_of(eager, [2, 2]), (), "all")[0]
+        got = model.forward_batch(blocks_of(captured, [2, 2]), (), "all")
+        for e, g in zip(expected, got):
+            torch.testing.assert_close(g, e, atol=(1e-5 if mode == "fp32" else 5e-2) * float(e.abs().max()), rtol=0)
+        for cache in eager + captured:
+            cache.commit(cache.length + 128 * step + 2)
+    graphs = captured[0].pool.graphs
+    assert graphs.flex and set(graphs.steps_run) == {Bucket(4, 2, 400)}

@@ -77,8 +77,13 @@ class BucketGrid:
                 raise ConfigError(f"a bucket grid's {name} must be ascending positive counts, got {ladder}")
 
     @classmethod
-    def for_pool(cls, max_requests: int, rows: Sequence[int], slot_capacity: int) -> BucketGrid:
-        return cls(request_ladder(max_requests), tuple(sorted(set(rows))), key_ladder(slot_capacity))
+    def for_pool(
+        cls, max_requests: int, rows: Sequence[int], slot_capacity: int, one_key_bucket: bool = False
+    ) -> BucketGrid:
+        """`one_key_bucket`: every step reads up to the capacity (an attention that skips the keys
+        past each request's own, flex.py)."""
+        keys = (slot_capacity,) if one_key_bucket else key_ladder(slot_capacity)
+        return cls(request_ladder(max_requests), tuple(sorted(set(rows))), keys)
 
     def bucket_for(self, num_requests: int, rows: int, keys: int) -> Bucket | None:
         """The smallest bucket that holds a step of `num_requests` requests of at most `rows`

@@ -8,6 +8,7 @@ model is one run (a step of `ar` replays three graphs); a draft that skips k ite
 most k + 1 runs. Runs are captured the first time a plan needs them and kept while they are
 used (a least-recently-used bound). `ITEMS` granularity captures one piece per item instead:
 at most 2L + 2 pieces per bucket whatever the plans, at the price of 2L replays per step.
+`PLANS` captures one piece per skip set: one replay per step, a capture per plan and bucket.
 
 A capture runs its function once — that run is the step's own, on the step's own inputs —
 and returns what replays it from then on: on a GPU a CUDA graph's replay, on a CPU the
@@ -30,6 +31,7 @@ Capture = Callable[[Piece], Piece]
 class Granularity(enum.Enum):
     RUNS = "runs"  # one piece per maximal run of executed items
     ITEMS = "items"  # one piece per item
+    PLANS = "plans"  # one piece per skip set
 
 
 def item_runs(num_items: int, skip: Collection[int]) -> list[tuple[int, int]]:
@@ -48,12 +50,14 @@ def item_runs(num_items: int, skip: Collection[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def pieces_of(num_items: int, skip: Collection[int], granularity: Granularity) -> list[tuple[int, int]]:
-    """The item pieces [first, end) a step with `skip` replays, in order."""
+def pieces_of(num_items: int, skip: Collection[int], granularity: Granularity) -> list[tuple[tuple[int, int], ...]]:
+    """The pieces a step with `skip` replays, in order, each the runs [first, end) of items it executes."""
     runs = item_runs(num_items, skip)
+    if granularity is Granularity.PLANS:
+        return [tuple(runs)] if runs else []
     if granularity is Granularity.RUNS:
-        return runs
-    return [(item, item + 1) for first, end in runs for item in range(first, end)]
+        return [(run,) for run in runs]
+    return [((item, item + 1),) for first, end in runs for item in range(first, end)]
 
 
 def eager_capture(piece: Piece) -> Piece:

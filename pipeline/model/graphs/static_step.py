@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from pipeline.model.attention import SlotRows
+from pipeline.model.flex import SlotBlocks
 from pipeline.model.graphs.buckets import Bucket
 from pipeline.model.kv_pool import KVPool, PooledCache
 from pipeline.model.linear import KERNEL_MAX_ROWS
@@ -64,7 +65,8 @@ class StaticStep:
     """One bucket's step: the pieces a graph captures (`embed`, `items`, `head`) over its views
     of the shared buffers, and `load` / `logits_of` around them."""
 
-    def __init__(self, model, pool: KVPool, bucket: Bucket, buffers: StepBuffers) -> None:
+    def __init__(self, model, pool: KVPool, bucket: Bucket, buffers: StepBuffers, flex: bool = False) -> None:
+        """`flex`: attention through flex.py (the bucket's keys are then the slots' capacity)."""
         if pool.scratch_slot is None:
             raise ValueError("a captured step pads into its pool's scratch slot: make the pool with scratch=True")
         self.model, self.pool, self.bucket, self.buffers = model, pool, bucket, buffers
@@ -80,9 +82,11 @@ class StaticStep:
         # The tables grown past the bucket's keys now: a graph holds the tensors it captured.
         self.cos_table, self.sin_table = model.rotary.up_to(width)
         request_slots = self.request_slots if bucket.gathered else None
+        self.blocks = SlotBlocks(self.seen_rows, pool.slot_capacity) if flex else None
         attention = SlotRows(
-            pool, r, bucket.rows, width, self.row_slots, self.positions, request_slots, self.mask, self.seen_rows
-        )
+            pool, r, bucket.rows, width, self.row_slots, self.positions, request_slots, self.mask, self.seen_rows,
+            self.blocks,
+        )  # fmt: skip
         packed = model.lm_head.packed  # the packed kernels of each request's rows alone (packing.kernel_ranges)
         ranges = kernel_ranges((bucket.rows,) * r, KERNEL_MAX_ROWS) if packed else None
         self.rows = Rows(attention, self.cos, self.sin, (1, m), ranges, (bucket.rows,) * r)
@@ -130,12 +134,15 @@ class StaticStep:
         seen = self.seen.view(bucket.requests, 1, 1, bucket.rows, 1)
         torch.ge(self.buffers.key_index[: bucket.keys], seen, out=self.mask)
         self.seen_rows.copy_(self.seen.view(bucket.requests, bucket.rows))
+        if self.blocks is not None:
+            self.blocks.update()
 
-    def items(self, first: int, end: int) -> None:
-        """Items [first, end) over the residual stream, in place."""
+    def items(self, runs: tuple[tuple[int, int], ...]) -> None:
+        """The items of `runs` ([first, end) each, in order) over the residual stream, in place."""
         h = self.hidden_states
-        for item in range(first, end):
-            h = self.model.run_item(item, h, self.rows)
+        for first, end in runs:
+            for item in range(first, end):
+                h = self.model.run_item(item, h, self.rows)
         self.hidden_states.copy_(h)
 
     def head(self) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.model import items
+from pipeline.model.flex import flex_available
 from pipeline.model.graphs.buckets import Bucket, BucketGrid
 from pipeline.model.graphs.pieces import CudaCapture, Granularity, PieceCache, eager_capture, pieces_of
 from pipeline.model.graphs.static_step import StaticStep, StepBuffers
@@ -37,22 +38,33 @@ class GraphSettings:
     """How a model captures its steps: `capture` "cuda" (CUDA graphs) or "eager" (the same
     static steps and pieces, run eagerly: a CPU's, and the tests'); `rows`, the rows per request
     of the buckets; `granularity`, a piece per run of items or per item (graphs.pieces);
-    `max_pieces`, how many captured pieces are kept."""
+    `max_pieces`, how many captured pieces are kept; `attention`, "flex" (flex.py: each
+    request's own keys, one bucket of keys), "matmul" (the slots' keys up to a bucket of keys,
+    masked), or "auto" (flex on a GPU where PyTorch has it, else matmul)."""
 
     capture: str = "cuda"
     rows: tuple[int, ...] = DEFAULT_ROWS
     granularity: Granularity = Granularity.RUNS
     max_pieces: int = 4096
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.capture not in ("cuda", "eager"):
             raise ValueError(f"capture must be 'cuda' or 'eager', got {self.capture!r}")
+        if self.attention not in ("auto", "flex", "matmul"):
+            raise ValueError(f"attention must be 'auto', 'flex' or 'matmul', got {self.attention!r}")
+
+    def flex_on(self, device: torch.device) -> bool:
+        if self.attention == "auto":
+            return torch.device(device).type == "cuda" and flex_available()
+        return self.attention == "flex"
 
 
 class StepGraphs:
     def __init__(self, model, pool: KVPool, settings: GraphSettings) -> None:
         self.model, self.pool, self.settings = model, pool, settings
-        self.grid = BucketGrid.for_pool(pool.num_slots, settings.rows, pool.slot_capacity)
+        self.flex = settings.flex_on(model.device)
+        self.grid = BucketGrid.for_pool(pool.num_slots, settings.rows, pool.slot_capacity, one_key_bucket=self.flex)
         largest = Bucket(self.grid.requests[-1], self.grid.rows[-1], self.grid.keys[-1])
         self.buffers = StepBuffers(model, largest)
         capture = CudaCapture(torch.device(model.device)) if settings.capture == "cuda" else eager_capture
@@ -61,9 +73,9 @@ class StepGraphs:
         self._steps: dict[Bucket, StaticStep] = {}
         self.steps_run: Counter[Bucket] = Counter()
         logger.info(
-            "captured steps over a pool of %d slots: %d buckets (requests %s, rows %s, keys %s), %s pieces",
+            "captured steps over a pool of %d slots: %d buckets (requests %s, rows %s, keys %s), %s pieces, %s attention",
             pool.num_slots, len(self.grid), self.grid.requests, self.grid.rows, self.grid.keys,
-            settings.granularity.value,
+            settings.granularity.value, "flex" if self.flex else "matmul",
         )  # fmt: skip
 
     def bucket_of(self, blocks: Sequence[RequestRows]) -> Bucket | None:
@@ -73,8 +85,11 @@ class StepGraphs:
                 return None
         rows = max(len(block.token_ids) for block in blocks)
         keys = max(block.start + len(block.token_ids) for block in blocks)
+        highest = max(block.cache.slot for block in blocks)
+        if self.flex:  # an idle place reads one block of its slot: the slots in place, always
+            return self.grid.bucket_for(max(len(blocks), highest + 1), rows, keys)
         bucket = self.grid.bucket_for(len(blocks), rows, keys)
-        if bucket is None or max(block.cache.slot for block in blocks) < bucket.requests:
+        if bucket is None or highest < bucket.requests:
             return bucket  # (the pool hands out low slots first: the usual case)
         return dataclasses.replace(bucket, gathered=True)
 
@@ -84,14 +99,14 @@ class StepGraphs:
         """`blocks` through the items not in `skip` as `bucket`'s step: each one's logits as `wanted`."""
         step = self._steps.get(bucket)
         if step is None:
-            step = self._steps[bucket] = StaticStep(self.model, self.pool, bucket, self.buffers)
+            step = self._steps[bucket] = StaticStep(self.model, self.pool, bucket, self.buffers, self.flex)
         spans = [(block.cache, block.start, len(block.token_ids)) for block in blocks]
         for cache, start, n in spans:
             cache.check_room(start + n)
         step.load(spans, [block.token_ids for block in blocks])
         self.pieces.run((bucket, "embed"), lambda: step.embed)
-        for first, end in pieces_of(self.num_items, skip, self.settings.granularity):
-            self.pieces.run((bucket, first, end), lambda f=first, e=end: functools.partial(step.items, f, e))
+        for runs in pieces_of(self.num_items, skip, self.settings.granularity):
+            self.pieces.run((bucket, runs), lambda runs=runs: functools.partial(step.items, runs))
         self.pieces.run((bucket, "head"), lambda: step.head)
         self.steps_run[bucket] += 1
         return step.logits_of(spans, wanted)

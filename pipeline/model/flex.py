@@ -1,0 +1,75 @@
+"""A captured step's decode and verify attention through PyTorch's FlexAttention.
+
+Every request's rows attend over their slot of the pool in place ([R, kv_heads, capacity,
+head_dim], slot i for request i), the query groups of each KV head read its keys once (GQA),
+and a block mask made from the device's tensors skips every 128-key block past a request's
+last visible key: a step reads each request's own keys, not the slot's capacity, with shapes
+that do not change as requests grow (one bucket of keys serves every length). Its mask
+function hides, within the last block, the keys a row must not see. On a GPU the compiled
+kernel is Triton's, captured into the step's graph like any other; on a CPU Inductor's C++
+template runs it (the tests compare it there with the matmul route).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK = 128  # keys per block of the mask (FlexAttention's default)
+
+
+def flex_available() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, fullgraph=True, dynamic=False)
+
+
+class SlotBlocks:
+    """The block mask of `requests` requests of `rows` rows over slots of `capacity` keys, over
+    the step's buffer of the keys each row sees (`seen`, int32 [R, T]); `update` rewrites it
+    in place from that buffer, so a graph captured over it serves every later step."""
+
+    def __init__(self, seen: torch.Tensor, capacity: int) -> None:
+        from torch.nn.attention.flex_attention import BlockMask
+
+        requests, rows = seen.shape
+        num_blocks = -(-capacity // BLOCK)
+        self.seen = seen
+        self.num_blocks = torch.ones(requests, 1, 1, dtype=torch.int32, device=seen.device)
+        indices = torch.arange(num_blocks, dtype=torch.int32, device=seen.device)
+        self.indices = indices.expand(requests, 1, 1, num_blocks).contiguous()
+
+        def visible(b, h, q_idx, kv_idx):
+            return kv_idx < seen[b, q_idx]
+
+        self.mask = BlockMask.from_kv_blocks(
+            self.num_blocks, self.indices, BLOCK_SIZE=BLOCK, mask_mod=visible, seq_lengths=(rows, capacity),
+            compute_q_blocks=False,
+        )  # fmt: skip
+
+    def update(self) -> None:
+        """Each request's blocks up to its rows' furthest visible key."""
+        most = self.seen.amax(dim=1)
+        torch.div(most + (BLOCK - 1), BLOCK, rounding_mode="floor", out=self.num_blocks.view(-1))
+
+
+def flex_slot_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: SlotBlocks, scale: float
+) -> torch.Tensor:
+    """q [R * T, H, head_dim] over keys/values [R, kv_heads, capacity, head_dim] (slot i for
+    request i, the step's own written first) -> [R * T, H * head_dim]."""
+    num_requests = keys.shape[0]
+    rows, num_heads, head_dim = q.shape
+    queries = q.view(num_requests, rows // num_requests, num_heads, head_dim).transpose(1, 2)
+    out = compiled_flex()(queries, keys, values, block_mask=blocks.mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(rows, num_heads * head_dim)
