@@ -52,15 +52,16 @@ from pipeline.logs import configure_logging
 from pipeline.model.graphs import GraphSettings
 from pipeline.model.linear import ComputeMode
 from profiling.device_profile import shaped_model
-from profiling.gpu.checks import greedy_equality, sampling_law
+from profiling.gpu.checks import attention_agreement, greedy_equality, sampling_law
 from profiling.gpu.report import format_report
 from profiling.gpu.steps import prefill_speed, step_costs
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_ACCEPTANCE = REPO / "docs" / "results" / "acceptance-smollm2.json"
-STAGES = ("steps", "knapspec", "prefill", "equality", "sampling")
+STAGES = ("steps", "knapspec", "prefill", "attention", "equality", "sampling")
 # The draft skip shares timed against their bytes, of the attention items, the MLP items, or both.
 DRAFT_SHARES = (0.1, 0.2, 0.3, 0.4, 0.5)
+VARIANT_SHARE = 0.3  # the draft (this share of both kinds) timed through every way of capturing a step
 logger = logging.getLogger("gpu_check")
 
 # Llama-3.1-8B's shapes; "tiny" keeps the same structure small enough for a CPU.
@@ -84,7 +85,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--contexts", default="4096,16384", help="tokens of context per request, comma-separated")
     parser.add_argument("--verify-rows", default="2,3,4,5,8", help="rows per request of the verify steps timed")
     parser.add_argument("--iterations", type=int, default=20)
-    parser.add_argument("--prefill-tokens", type=int, default=4096, help="prompt tokens read by the prefill stage")
+    parser.add_argument(
+        "--prefill-tokens", type=int, default=8192, help="prompt tokens read by the prefill stage (two 4k chunks)"
+    )
     parser.add_argument("--prefill-chunk", type=int, default=4096)
     parser.add_argument("--samples", type=int, default=3000, help="speculative samples of the sampling stage")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {', '.join(STAGES)}")
@@ -195,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         (args.output / "gpu_check.md").write_text(format_report(header, results) + "\n")
         payload = header | {"acceptance": str(args.acceptance), "seconds": time.perf_counter() - started} | results
         (args.output / "gpu_check.json").write_text(json.dumps(payload, indent=2, default=str))
-        print(format_report(header, results, only=stage), flush=True)
+        print("\n" + format_report(header, results, only=stage), flush=True)
 
     config = llama_config(args.shape)
     model = None
@@ -207,10 +210,13 @@ def run(args: argparse.Namespace) -> int:
     if model is not None and ("steps" in stages or "knapspec" in stages):
         num_layers = model.spec.num_layers
         skips = {_draft_key(*c): spread_skip(num_layers, *c) for c in draft_counts(acceptance, num_layers)}
+        variant = _draft_key(*[min(round(VARIANT_SHARE * num_layers), num_layers - 2)] * 2)
         run_stage(
-            "steps", lambda: step_costs(model, batch_sizes, contexts, verify_rows, args.iterations, skips), results,
+            "steps",
+            lambda: step_costs(model, batch_sizes, contexts, verify_rows, args.iterations, skips, variant),
+            results,
             report,
-        )  # fmt: skip
+        )
         if "knapspec" in stages and isinstance(results["steps"], list):
             run_stage("knapspec", lambda: projections(results["steps"], acceptance, num_layers, verify_rows), results,
                       report)  # fmt: skip
@@ -221,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     tiny = llama_config("tiny")
+    if "attention" in stages:
+        run_stage("attention", lambda: attention_agreement(device), results, report)
     if "equality" in stages:
         run_stage("equality", lambda: greedy_equality(tiny, device), results, report)
     if "sampling" in stages:

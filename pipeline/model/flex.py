@@ -28,10 +28,12 @@ def flex_available() -> bool:
 
 
 @functools.cache
-def compiled_flex():
+def compiled_flex(device_type: str):
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, fullgraph=True, dynamic=False)
+    # On a GPU the shapes become dynamic at their first change (one more compile serves every
+    # bucket after); Inductor's CPU template fails to compile dynamic shapes: a compile per bucket.
+    return torch.compile(flex_attention, fullgraph=True, dynamic=None if device_type == "cuda" else False)
 
 
 class SlotBlocks:
@@ -71,5 +73,5 @@ def flex_slot_attention(
     num_requests = keys.shape[0]
     rows, num_heads, head_dim = q.shape
     queries = q.view(num_requests, rows // num_requests, num_heads, head_dim).transpose(1, 2)
-    out = compiled_flex()(queries, keys, values, block_mask=blocks.mask, scale=scale, enable_gqa=True)
+    out = compiled_flex(q.device.type)(queries, keys, values, block_mask=blocks.mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).reshape(rows, num_heads * head_dim)

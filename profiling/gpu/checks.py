@@ -188,3 +188,46 @@ def sampling_law(config, device: torch.device, num_samples: int) -> dict:
         "samples": sum(counts.values()), "cells": len(law), "chi_square": statistic, "dof": dof, "p_value": p_value,
         "acceptance": accepted / max(drafted, 1), "failures": failures[:5],
     }  # fmt: skip
+
+
+def attention_agreement(device: torch.device) -> dict:
+    """The device's attention routes against their masked reference in bf16, random inputs: a
+    prefill chunk after the first split at its start (flash kernels, no mask: layers.split_attention)
+    against SDPA with a boolean mask, and a captured step's FlexAttention over slots read in
+    place (flex.py) against the masked matmuls. Largest error relative to the reference's largest."""
+    from pipeline.model.flex import SlotBlocks, flex_available, flex_slot_attention
+    from pipeline.model.layers import block_mask, fused_attention, slot_attention, split_attention
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    heads, kv_heads, head_dim, scale = 8, 2, 64, 64**-0.5
+    result: dict = {"failures": []}
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator, device=device).to(torch.bfloat16)
+
+    def relative(got, expected) -> float:
+        return float((got.float() - expected.float()).abs().max() / expected.float().abs().max())
+
+    start, rows = 384, 128
+    q, keys, values = (
+        rand(rows, heads, head_dim),
+        rand(kv_heads, start + rows, head_dim),
+        rand(kv_heads, start + rows, head_dim),
+    )
+    masked = fused_attention(q, keys, values, start, block_mask(rows, start, device), scale)
+    result["split_vs_masked"] = relative(split_attention(q, keys, values, start, scale, torch.bfloat16), masked)
+    if flex_available():
+        requests, per, capacity = 3, 4, 640
+        seen = torch.tensor([[300 + t for t in range(1, per + 1)], [1] * per, [600 + t for t in range(1, per + 1)]],
+                            dtype=torch.int32, device=device)  # fmt: skip
+        pool_k, pool_v = rand(requests, kv_heads, capacity, head_dim), rand(requests, kv_heads, capacity, head_dim)
+        qs = rand(requests * per, heads, head_dim)
+        blocks = SlotBlocks(seen, capacity)
+        blocks.update()
+        hidden = torch.arange(capacity, device=device) >= seen.view(requests, 1, 1, per, 1)
+        reference = slot_attention(qs * scale, pool_k, pool_v, hidden, kv_heads)
+        result["flex_vs_matmul"] = relative(flex_slot_attention(qs, pool_k, pool_v, blocks, scale), reference)
+    for name in ("split_vs_masked", "flex_vs_matmul"):
+        if result.get(name, 0.0) > 2e-2:  # bf16: a few units in the last place of the largest
+            result["failures"].append(f"{name}: off by {result[name]:.2e} of the largest")
+    return result

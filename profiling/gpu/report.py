@@ -59,6 +59,36 @@ def steps_lines(costs: list[dict], verify_rows: list[int]) -> list[str]:
     return lines
 
 
+def variant_lines(costs: list[dict]) -> list[str]:
+    rows = [row for row in costs if "variants" in row]
+    if not rows:
+        return []
+    lines = [
+        "",
+        (
+            f"Ways to capture a step: a graph per run of executed items, per item or per plan (skip set), with "
+            f"FlexAttention or the masked matmuls; the `ar` step and the draft skipping "
+            f"{rows[0]['variant_draft']} attention/MLP items, ms (captures made in brackets)."
+        ),
+        "",
+        "| batch | context | " + " | ".join(f"{name}: ar / draft" for name in rows[0]["variants"]) + " |",
+        "|---:|---:|" + "---|" * len(rows[0]["variants"]),
+    ]
+    for row in rows:
+        cells = [f"{v['ar_ms']:.2f} / {v['draft_ms']:.2f} ({v['captures']})" for v in row["variants"].values()]
+        lines.append(f"| {row['batch']} | {row['context']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def attention_lines(result: dict) -> list[str]:
+    verdict = "PASS" if not result["failures"] else "FAIL"
+    parts = [f"{name.replace('_', ' ')}: {result[name]:.2e}" for name in ("split_vs_masked", "flex_vs_matmul")
+             if name in result]  # fmt: skip
+    lines = [f"Attention routes in bf16 against their masked references, largest error over the largest: {verdict} — "
+             + "; ".join(parts) + "."]  # fmt: skip
+    return lines + [f"- {failure}" for failure in result["failures"]]
+
+
 def knapspec_lines(plans: list[dict], acceptance: dict) -> list[str]:
     lines = [
         (
@@ -158,9 +188,10 @@ def format_report(header: dict, results: dict, only: str | None = None) -> str:
         "",
     ]
     builders = {
-        "steps": ("Steps: eager and captured", lambda r: steps_lines(r, header["verify_rows"])),
+        "steps": ("Steps: eager and captured", lambda r: steps_lines(r, header["verify_rows"]) + variant_lines(r)),
         "knapspec": ("KnapSpec's predictions", lambda r: knapspec_lines(r, header["acceptance"])),
         "prefill": ("Prefill", prefill_lines),
+        "attention": ("Attention routes", attention_lines),
         "equality": ("Greedy equality", equality_lines),
         "sampling": ("Speculative sampling", sampling_lines),
     }

@@ -10,6 +10,8 @@ items' weights and, for attention, their layers' KV.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import statistics
 import time
@@ -19,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.model import items
-from pipeline.model.packing import RequestRows
+from pipeline.model.graphs import Granularity, GraphSettings, StepGraphs
+from pipeline.model.packing import RequestRows, check_logit_choices
 from profiling.benchmark.prefill import linear_shapes, prompt_flops
 
 logger = logging.getLogger(__name__)
@@ -121,13 +124,39 @@ def pool_fits(model, batch: int, positions: int) -> str | None:
     return None
 
 
+# Ways to capture a step, timed beside the model's own (graphs/pieces.py, flex.py).
+VARIANTS = {
+    "runs, flex": (Granularity.RUNS, "flex"),
+    "items, flex": (Granularity.ITEMS, "flex"),
+    "plans, flex": (Granularity.PLANS, "flex"),
+    "runs, matmul": (Granularity.RUNS, "matmul"),
+}
+
+
+def variant_costs(model, pool, blocks: list[RequestRows], draft: frozenset[int], iterations: int) -> dict:
+    """The `ar` step and one draft's step through each of VARIANTS' captured steps over `pool`."""
+    settings = model.graphs or GraphSettings(capture="eager")
+    wanted = check_logit_choices(blocks, "all")
+    costs = {}
+    for name, (granularity, attention) in VARIANTS.items():
+        graphs = StepGraphs(model, pool, dataclasses.replace(settings, granularity=granularity, attention=attention))
+        bucket = graphs.bucket_of(blocks)
+        costs[name] = {}
+        for kind, skip in (("ar", frozenset()), ("draft", draft)):
+            step = functools.partial(graphs.run, bucket, blocks, skip, wanted)
+            costs[name][f"{kind}_ms"] = 1e3 * timed(step, model.device, iterations)
+        costs[name]["captures"] = graphs.pieces.captures
+    return costs
+
+
 def step_costs(
     model, batch_sizes: list[int], contexts: list[int], verify_rows: list[int], iterations: int,
-    skips: dict[str, frozenset[int]],
+    skips: dict[str, frozenset[int]], variant_draft: str | None = None,
 ) -> list[dict]:  # fmt: skip
     """Per context and batch: the `ar` step eager and captured (ms, the floor's fraction,
     kernels and launches, host ms), verify(k) over one row and each draft's step over the
-    `ar` step (captured), with the share of the step's bytes each draft skips."""
+    `ar` step (captured), with the share of the step's bytes each draft skips; and with
+    `variant_draft`, the `ar` step and that draft's through each of VARIANTS."""
     device = model.device
     bandwidth = copy_bandwidth(device)
     rows = []
@@ -168,6 +197,10 @@ def step_costs(
             row["draft_bytes_skipped"] = {
                 key: 1 - step_bytes(model, batch, context, skip) / full for key, skip in skips.items()
             }
+            if variant_draft is not None:
+                blocks = [RequestRows(c, [10], c.length) for c in caches]
+                row["variants"] = variant_costs(model, pool, blocks, skips[variant_draft], iterations)
+                row["variant_draft"] = variant_draft
             logger.info(
                 "batch %d, context %d: ar step %.2f ms eager, %.2f ms captured (floor %.2f ms)",
                 batch, context, row["eager_ms"], row["graphs_ms"], floor * 1e3,

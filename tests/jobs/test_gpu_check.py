@@ -7,6 +7,7 @@ import json
 
 import torch
 
+from profiling.gpu import steps as gpu_check_steps
 from tests.builders import load_job
 
 ACCEPTANCE = {
@@ -46,11 +47,16 @@ def test_the_cpu_form_runs_every_stage_and_reports_each(tmp_path, capsys):
         assert all(0 < ratio for ratio in row["draft_over_ar"].values())
         skipped = row["draft_bytes_skipped"]
         assert 0 < skipped["1/0"] < skipped["2/0"] < skipped["2/2"] < 1 and skipped["0/1"] < skipped["0/2"]
+        # every way of capturing a step timed beside the default, the 30% draft of both kinds (1/1 here)
+        assert row["variant_draft"] == "1/1" and set(row["variants"]) == set(gpu_check_steps.VARIANTS)
+        assert all(v["ar_ms"] > 0 and v["draft_ms"] > 0 and v["captures"] > 0 for v in row["variants"].values())
     assert len(out["knapspec"]) == 4
     for plan in out["knapspec"]:
         assert plan["speedup"] >= 1.0 and (plan["gamma"] == 0) == (plan["speedup"] == 1.0)
         assert plan["gamma"] == 0 or plan["alpha"] > 0  # a draft never accepted never wins
     assert out["prefill"]["tokens"] == 256 and out["prefill"]["tokens_per_s"] > 0 and out["prefill"]["of_peak"] > 0
+    attention = out["attention"]
+    assert not attention["failures"] and attention["split_vs_masked"] < 2e-2 and attention["flex_vs_matmul"] < 2e-2
     equality = out["equality"]
     assert not equality["failures"] and equality["captured_steps"] > 0
     for path in ("eager", "graphs"):
@@ -61,7 +67,7 @@ def test_the_cpu_form_runs_every_stage_and_reports_each(tmp_path, capsys):
     sampling = out["sampling"]
     assert sampling["samples"] == 600 and sampling["p_value"] > 1e-3 and not sampling["failures"]
     report = (tmp_path / "gpu_check.md").read_text()
-    for section in ("## Steps", "## KnapSpec", "## Prefill", "## Greedy equality", "## Speculative sampling"):
+    for section in ("## Steps", "## KnapSpec", "## Prefill", "## Attention", "## Greedy equality", "## Speculative"):
         assert section in report
     assert "| 4 | 256 |" in report and "not measured speed-ups" in report and "bf16 row drift on the device" in report
     printed = capsys.readouterr().out
