@@ -4,7 +4,10 @@ What is timed is what decoding runs: one token through an attention item at seve
 context lengths, through an MLP item, through the embedding + final norm + LM head,
 full forwards of k = 1..D+1 tokens (a verify), and the knapsack DP's rows on one and on
 four branches of its reference tokens (what one search costs, relative to a forward).
-Two choices keep the numbers honest:
+A model whose steps are captured (pipeline/model/graphs, CUDA graphs) is timed as it runs
+them: each item as the replay of its own captured piece, the embedding and head as theirs,
+a verify as a captured step; the DP's rows run eagerly there too. Two choices keep the
+numbers honest:
 
 - Each sample sweeps one item kind over *every* layer in turn and divides by L. Timing
   one layer over and over would find its weights and KV rows in the CPU caches (or
@@ -15,6 +18,7 @@ Two choices keep the numbers honest:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
@@ -22,7 +26,9 @@ import torch
 
 from pipeline.errors import ConfigError
 from pipeline.knapspec.latency import LatencyModel
+from pipeline.model.graphs import Granularity, StepGraphs
 from pipeline.model.items import attention_item, mlp_item
+from pipeline.model.packing import RequestRows
 from pipeline.model.sublayer_model import SublayerModel
 from profiling.fit import fit_linear, relative_rms
 from profiling.record import DEFAULT_LAYOUT, Calibration, device_name
@@ -80,7 +86,7 @@ def measure(
     h = torch.randn(1, spec.hidden_size, generator=generator, device=device).to(model.dtype)  # [1, d]
     token_ids = torch.randint(spec.vocab_size, (max_verify,), generator=generator, device=device)  # [max_verify]
 
-    def sweep(item_of: Callable[[int], int], n: int) -> Callable[[], None]:
+    def eager_sweep(item_of: Callable[[int], int], n: int) -> Callable[[], None]:
         # The rows' set-up (positions, masks) made once, as a forward makes it once for all its items.
         rows = model.rows([(cache, n, 1)])
 
@@ -92,10 +98,10 @@ def measure(
         return run
 
     @torch.inference_mode()
-    def fixed() -> None:
+    def eager_fixed() -> None:
         model.logits(model.embed_tokens(token_ids[:1]))
 
-    def verify(k: int) -> Callable[[], None]:
+    def eager_verify(k: int) -> Callable[[], None]:
         return lambda: model.forward(cache, token_ids[:k], reference_context, logits="all")
 
     def search(branch_tokens: int) -> Callable[[], None]:
@@ -112,6 +118,12 @@ def measure(
 
         return run
 
+    if model.graphs is not None:
+        capacity = max(lengths[-1] + 1, reference_context + max_verify)
+        captured = CapturedItems(model, capacity, reference_context, seed)
+        sweep, verify, fixed = captured.sweep, captured.verify, captured.fixed
+    else:
+        sweep, verify, fixed = eager_sweep, eager_verify, eager_fixed
     tasks: dict[str, Callable[[], object]] = {f"attn@{n}": sweep(attention_item, n) for n in lengths}
     tasks["mlp"] = sweep(mlp_item, 0)
     tasks["fixed"] = fixed
@@ -181,6 +193,54 @@ def measure(
         fit_residuals=residuals,
         attention=model.attention_route,
     )
+
+
+class CapturedItems:
+    """The microbenchmarks' tasks as a model with captured steps runs them: one request in a
+    slot of its own pool (random keys and values), each item's piece, the embedding's and
+    the head's replayed as a step replays them (graphs.Granularity.ITEMS: one piece per item),
+    a verify as the model's own captured step."""
+
+    def __init__(self, model: SublayerModel, capacity: int, reference_context: int, seed: int) -> None:
+        generator = torch.Generator(device=model.device).manual_seed(seed + 1)
+        self.model = model
+        self.pool = model.new_pool(1, capacity)
+        self.cache = self.pool.acquire(capacity)
+        self.pool.keys.normal_(generator=generator)
+        self.pool.values.normal_(generator=generator)
+        settings = dataclasses.replace(model.graphs, granularity=Granularity.ITEMS)
+        self.graphs = StepGraphs(model, self.pool, settings)
+        self.steps = StepGraphs(model, self.pool, model.graphs)  # a whole step, as the model captures it
+        self.num_layers = model.spec.num_layers
+        self.reference_context = reference_context
+
+    def _loaded(self, n: int, k: int = 1):
+        self.cache.length = n
+        blocks = [RequestRows(self.cache, list(range(10, 10 + k)), n)]
+        bucket = self.graphs.bucket_of(blocks)
+        return blocks, bucket
+
+    def sweep(self, item_of: Callable[[int], int], n: int) -> Callable[[], None]:
+        blocks, bucket = self._loaded(n)
+
+        def run() -> None:  # one load, as a step has one for all its items
+            step = self.graphs.load(bucket, blocks)
+            for layer in range(self.num_layers):
+                item = item_of(layer)
+                self.graphs.replay(step, ((item, item + 1),))
+
+        return run
+
+    def fixed(self) -> None:
+        blocks, bucket = self._loaded(0)
+        step = self.graphs.load(bucket, blocks)
+        self.graphs.replay(step, "embed")
+        self.graphs.replay(step, "head")
+
+    def verify(self, k: int) -> Callable[[], None]:
+        blocks, bucket = self._loaded(self.reference_context, k)
+        wanted = ["all"]
+        return lambda: self.steps.run(bucket, blocks, (), wanted)
 
 
 def verify_ratios(t_verify: Sequence[float]) -> tuple[float, ...]:

@@ -84,8 +84,13 @@ class SublayerModel:
 
     def use_graphs(self, settings: GraphSettings | None) -> None:
         """Run the decode, verify and draft steps over pools made from now on as captured steps
-        (pipeline/model/graphs); None: every forward eagerly."""
+        (pipeline/model/graphs); None: every forward eagerly. The latency tables follow: a
+        captured step's items cost what their replays cost (profiling/microbench.py)."""
         self.graphs = settings
+        route = KERNEL_ROUTE if self._kernel else MATMUL_ROUTE
+        if settings is not None:
+            route = f"captured {'flex' if settings.flex_on(self.device) else route}"
+        self.attention_route = route
 
     # ------------------------------------------------------------------ caches
 

@@ -507,3 +507,26 @@ def test_an_engine_measures_once_and_again_when_forced(tiny_chat_checkpoint, tmp
     assert len(calls) == 2 and Engine(config, calibrator=calibrator).latency == engine.latency
     with pytest.raises(ConfigError, match="calibrator"):
         Engine(config).latency  # neither a latency model nor a calibrator: say what to pass
+
+
+def test_a_model_with_captured_steps_is_timed_as_it_replays_them(tiny_llama, monkeypatch):
+    """Items as the replays of their own pieces, the embedding and head as theirs, a verify as a
+    captured step (pipeline/model/graphs; on a CPU the pieces run eagerly); the table is stored
+    under the captured route, apart from the eager one."""
+    from pipeline.model.graphs import GraphSettings, StepGraphs
+
+    model = load_tiny(tiny_llama)[1]
+    model.use_graphs(GraphSettings(capture="eager"))
+    replayed = []
+    real = StepGraphs.replay
+    monkeypatch.setattr(
+        StepGraphs, "replay", lambda self, step, piece: (replayed.append(piece), real(self, step, piece))
+    )
+    calibration = microbench.measure(model, context_lengths=(8, 64, 200), max_verify=3, repeats=1, model_name="tiny")
+    num_items = model.spec.num_items
+    assert {((item, item + 1),) for item in range(num_items)} | {"embed", "head"} <= set(replayed)
+    assert ((0, num_items),) in replayed  # the verify: one run of every item
+    assert calibration.attention == model.attention_route == "captured matmul"
+    positive = [*calibration.t_attn_measured, *calibration.t_verify_measured, calibration.latency.t_mlp]
+    assert all(math.isfinite(t) and t > 0 for t in positive)
+    assert CalibrationKey.for_model(model, "tiny") != CalibrationKey.for_model(load_tiny(tiny_llama)[1], "tiny")

@@ -93,10 +93,8 @@ class StepGraphs:
             return bucket  # (the pool hands out low slots first: the usual case)
         return dataclasses.replace(bucket, gathered=True)
 
-    def run(
-        self, bucket: Bucket, blocks: Sequence[RequestRows], skip: Collection[int], wanted: Sequence[str]
-    ) -> list[torch.Tensor | None]:
-        """`blocks` through the items not in `skip` as `bucket`'s step: each one's logits as `wanted`."""
+    def load(self, bucket: Bucket, blocks: Sequence[RequestRows]) -> StaticStep:
+        """`bucket`'s step with the metadata of `blocks` loaded (one copy to the device)."""
         step = self._steps.get(bucket)
         if step is None:
             step = self._steps[bucket] = StaticStep(self.model, self.pool, bucket, self.buffers, self.flex)
@@ -104,9 +102,24 @@ class StepGraphs:
         for cache, start, n in spans:
             cache.check_room(start + n)
         step.load(spans, [block.token_ids for block in blocks])
-        self.pieces.run((bucket, "embed"), lambda: step.embed)
+        return step
+
+    def replay(self, step: StaticStep, piece: str | tuple[tuple[int, int], ...]) -> None:
+        """One piece of a loaded step: "embed", "head", or runs of items ([first, end) each)."""
+        if piece in ("embed", "head"):
+            make = (lambda: step.embed) if piece == "embed" else (lambda: step.head)
+        else:
+            make = lambda: functools.partial(step.items, piece)
+        self.pieces.run((step.bucket, piece), make)
+
+    def run(
+        self, bucket: Bucket, blocks: Sequence[RequestRows], skip: Collection[int], wanted: Sequence[str]
+    ) -> list[torch.Tensor | None]:
+        """`blocks` through the items not in `skip` as `bucket`'s step: each one's logits as `wanted`."""
+        step = self.load(bucket, blocks)
+        self.replay(step, "embed")
         for runs in pieces_of(self.num_items, skip, self.settings.granularity):
-            self.pieces.run((bucket, runs), lambda runs=runs: functools.partial(step.items, runs))
-        self.pieces.run((bucket, "head"), lambda: step.head)
+            self.replay(step, runs)
+        self.replay(step, "head")
         self.steps_run[bucket] += 1
-        return step.logits_of(spans, wanted)
+        return step.logits_of([(block.cache, block.start, len(block.token_ids)) for block in blocks], wanted)
