@@ -20,15 +20,16 @@ import torch
 from pipeline.model import items
 from pipeline.model.attention import Attention, Branches
 from pipeline.model.context import check_context, prefill_chunk_for, prefill_in_chunks
+from pipeline.model.fused import EAGER, ItemOps, fused_ops
 from pipeline.model.graphs import GraphSettings, StepGraphs
 from pipeline.model.kv_cache import KVCache
 from pipeline.model.kv_pool import KVPool, PooledCache
-from pipeline.model.layers import apply_rotary, rms_norm, silu_mul, split_attention_available
+from pipeline.model.layers import split_attention_available
 from pipeline.model.linear import KERNEL_MAX_ROWS, ComputeMode, Linear
 from pipeline.model.packing import RequestRows, check_logit_choices, packed_logits, ranged_linear
 from pipeline.model.precision import Exactness, exactness
 from pipeline.model.rotary import RotaryTables
-from pipeline.model.short_attention import KERNEL_ROUTE, MATMUL_ROUTE, kernel_applies, rms_norm_rows
+from pipeline.model.short_attention import KERNEL_ROUTE, MATMUL_ROUTE, kernel_applies, rms_norm_rows, silu_mul_rows
 from pipeline.model.spec import ModelSpec
 from pipeline.model.staging import HostStaging
 from pipeline.model.step_rows import Rows, step_rows
@@ -81,12 +82,14 @@ class SublayerModel:
         self.pooled_caches = True  # a batch's caches are slots of one KVPool
         self.staging = HostStaging(self.device)  # every forward's metadata, in one copy
         self.graphs: GraphSettings | None = None  # captured steps (graphs/), where use_graphs asked
+        self.ops: ItemOps = EAGER  # an item's element-wise work (fused.py)
 
     def use_graphs(self, settings: GraphSettings | None) -> None:
         """Run the decode, verify and draft steps over pools made from now on as captured steps
         (pipeline/model/graphs); None: every forward eagerly. The latency tables follow: a
         captured step's items cost what their replays cost (profiling/microbench.py)."""
         self.graphs = settings
+        self.ops = fused_ops() if settings is not None and settings.fuse_on(self.device) else EAGER
         route = KERNEL_ROUTE if self._kernel else MATMUL_ROUTE
         if settings is not None:
             route = f"captured {'flex' if settings.flex_on(self.device) else route}"
@@ -258,11 +261,12 @@ class SublayerModel:
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._kernel and x.dtype == torch.float32:  # (fp16w; bf16 rows norm alike in PyTorch's ops)
             return rms_norm_rows(x, weight, self.spec.rms_norm_eps)
-        return rms_norm(x, weight, self.spec.rms_norm_eps)
+        return self.ops.norm(x, weight, self.spec.rms_norm_eps)
 
     def _mlp(self, layer: LayerWeights, h: torch.Tensor, ranges=None) -> torch.Tensor:
         gate_up = ranged_linear(layer.gate_up, self._rms_norm(h, layer.post_norm), ranges)
-        return self._reduced(ranged_linear(layer.down, silu_mul(gate_up, self._kernel), ranges))
+        gated = silu_mul_rows(gate_up) if self._kernel else self.ops.gate(gate_up)
+        return self._reduced(ranged_linear(layer.down, gated, ranges))
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
         # (A long block's bf16 products in fp16w-bf16 are summed over the ranks in fp32.)
@@ -288,8 +292,8 @@ class SublayerModel:
         qk = qkv[:, : heads * s.head_dim].view(*rows.shape, heads, s.head_dim)
         if layer.q_norm is None:
             # Queries and keys lie side by side: one rotation for both.
-            qk = apply_rotary(qk, rows.cos, rows.sin)
+            qk = self.ops.rotary(qk, rows.cos, rows.sin)
             return qk[:, :, : s.num_heads], qk[:, :, s.num_heads :], v
         qk = qk.to(self.dtype)
-        q = apply_rotary(self._rms_norm(qk[:, :, : s.num_heads], layer.q_norm), rows.cos, rows.sin)
-        return q, apply_rotary(self._rms_norm(qk[:, :, s.num_heads :], layer.k_norm), rows.cos, rows.sin), v
+        q = self.ops.rotary(self._rms_norm(qk[:, :, : s.num_heads], layer.q_norm), rows.cos, rows.sin)
+        return q, self.ops.rotary(self._rms_norm(qk[:, :, s.num_heads :], layer.k_norm), rows.cos, rows.sin), v

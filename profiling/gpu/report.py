@@ -67,7 +67,8 @@ def variant_lines(costs: list[dict]) -> list[str]:
         "",
         (
             f"Ways to capture a step: a graph per run of executed items, per item or per plan (skip set), with "
-            f"FlexAttention or the masked matmuls; the `ar` step and the draft skipping "
+            f"FlexAttention or the masked matmuls, the element-wise work fused or not; the `ar` step and the draft "
+            f"skipping "
             f"{rows[0]['variant_draft']} attention/MLP items, ms (captures made in brackets)."
         ),
         "",

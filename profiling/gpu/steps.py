@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.model import items
+from pipeline.model.fused import EAGER, fused_ops
 from pipeline.model.graphs import Granularity, GraphSettings, StepGraphs
 from pipeline.model.packing import RequestRows, check_logit_choices
 from profiling.benchmark.prefill import linear_shapes, prompt_flops
@@ -126,10 +127,11 @@ def pool_fits(model, batch: int, positions: int) -> str | None:
 
 # Ways to capture a step, timed beside the model's own (graphs/pieces.py, flex.py).
 VARIANTS = {
-    "runs, flex": (Granularity.RUNS, "flex"),
-    "items, flex": (Granularity.ITEMS, "flex"),
-    "plans, flex": (Granularity.PLANS, "flex"),
-    "runs, matmul": (Granularity.RUNS, "matmul"),
+    "runs, flex, fused": (Granularity.RUNS, "flex", True),
+    "items, flex, fused": (Granularity.ITEMS, "flex", True),
+    "plans, flex, fused": (Granularity.PLANS, "flex", True),
+    "runs, matmul, fused": (Granularity.RUNS, "matmul", True),
+    "runs, flex, unfused": (Granularity.RUNS, "flex", False),
 }
 
 
@@ -138,14 +140,19 @@ def variant_costs(model, pool, blocks: list[RequestRows], draft: frozenset[int],
     settings = model.graphs or GraphSettings(capture="eager")
     wanted = check_logit_choices(blocks, "all")
     costs = {}
-    for name, (granularity, attention) in VARIANTS.items():
+    ops = model.ops
+    for name, (granularity, attention, fuse) in VARIANTS.items():
         graphs = StepGraphs(model, pool, dataclasses.replace(settings, granularity=granularity, attention=attention))
-        bucket = graphs.bucket_of(blocks)
-        costs[name] = {}
-        for kind, skip in (("ar", frozenset()), ("draft", draft)):
-            step = functools.partial(graphs.run, bucket, blocks, skip, wanted)
-            costs[name][f"{kind}_ms"] = 1e3 * timed(step, model.device, iterations)
-        costs[name]["captures"] = graphs.pieces.captures
+        model.ops = fused_ops() if fuse else EAGER  # (what its pieces capture)
+        try:
+            bucket = graphs.bucket_of(blocks)
+            costs[name] = {}
+            for kind, skip in (("ar", frozenset()), ("draft", draft)):
+                step = functools.partial(graphs.run, bucket, blocks, skip, wanted)
+                costs[name][f"{kind}_ms"] = 1e3 * timed(step, model.device, iterations)
+            costs[name]["captures"] = graphs.pieces.captures
+        finally:
+            model.ops = ops
     return costs
 
 

@@ -40,19 +40,24 @@ class GraphSettings:
     of the buckets; `granularity`, a piece per run of items or per item (graphs.pieces);
     `max_pieces`, how many captured pieces are kept; `attention`, "flex" (flex.py: each
     request's own keys, one bucket of keys), "matmul" (the slots' keys up to a bucket of keys,
-    masked), or "auto" (flex on a GPU where PyTorch has it, else matmul)."""
+    masked), or "auto" (flex on a GPU where PyTorch has it, else matmul); `fuse`, an item's
+    element-wise work as Inductor kernels (fused.py; None: on a GPU)."""
 
     capture: str = "cuda"
     rows: tuple[int, ...] = DEFAULT_ROWS
     granularity: Granularity = Granularity.RUNS
     max_pieces: int = 4096
     attention: str = "auto"
+    fuse: bool | None = None
 
     def __post_init__(self) -> None:
         if self.capture not in ("cuda", "eager"):
             raise ValueError(f"capture must be 'cuda' or 'eager', got {self.capture!r}")
         if self.attention not in ("auto", "flex", "matmul"):
             raise ValueError(f"attention must be 'auto', 'flex' or 'matmul', got {self.attention!r}")
+
+    def fuse_on(self, device: torch.device) -> bool:
+        return torch.device(device).type == "cuda" if self.fuse is None else self.fuse
 
     def flex_on(self, device: torch.device) -> bool:
         if self.attention == "auto":
