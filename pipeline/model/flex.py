@@ -17,6 +17,9 @@ import functools
 import torch
 
 BLOCK = 128  # keys per block of the mask (FlexAttention's default)
+# On a CPU each bucket's shapes compile on their own (flex_attention's code object shares one
+# recompile budget in a process, 8 by default): room for a CPU's tests and rehearsals.
+CPU_RECOMPILE_LIMIT = 64
 
 
 def flex_available() -> bool:
@@ -73,5 +76,10 @@ def flex_slot_attention(
     num_requests = keys.shape[0]
     rows, num_heads, head_dim = q.shape
     queries = q.view(num_requests, rows // num_requests, num_heads, head_dim).transpose(1, 2)
-    out = compiled_flex(q.device.type)(queries, keys, values, block_mask=blocks.mask, scale=scale, enable_gqa=True)
+    flex = compiled_flex(q.device.type)
+    if q.device.type == "cuda":
+        out = flex(queries, keys, values, block_mask=blocks.mask, scale=scale, enable_gqa=True)
+    else:
+        with torch._dynamo.config.patch(recompile_limit=CPU_RECOMPILE_LIMIT):
+            out = flex(queries, keys, values, block_mask=blocks.mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).reshape(rows, num_heads * head_dim)

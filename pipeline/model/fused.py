@@ -5,7 +5,7 @@ Inside a captured step every kernel still costs its own start-up on the GPU (a m
 or two between kernels), and an 8B-shaped step runs ~1,200 of them eagerly; the products
 and the attention are one or two kernels each already, the element-wise work between them
 is most of the rest. Each function is compiled once for every layer (the weights are
-arguments, not constants), its shapes marked dynamic at their first change. Inductor is told
+arguments, not constants), its shapes dynamic from the first call. Inductor is told
 to round where the eager code rounds (`emulate_precision_casts`), so bf16 results stay those
 of the eager functions (tests/model/test_fused.py).
 """
@@ -33,9 +33,21 @@ class ItemOps:
 EAGER = ItemOps(rms_norm, apply_rotary, silu_mul)
 
 
+# Each function still compiles once per dtype, rank and epsilon it meets (a process may load
+# several models: the tests do); Dynamo's default budget of 8 per function would run out.
+RECOMPILE_LIMIT = 64
+
+
 @functools.cache
 def fused_ops() -> ItemOps:
     def compiled(fn):
-        return torch.compile(fn, fullgraph=True, options={"emulate_precision_casts": True})
+        inner = torch.compile(fn, fullgraph=True, dynamic=True, options={"emulate_precision_casts": True})
+
+        @functools.wraps(fn)
+        def run(*args):
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return inner(*args)
+
+        return run
 
     return ItemOps(compiled(rms_norm), compiled(apply_rotary), compiled(silu_mul))

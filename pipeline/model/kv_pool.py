@@ -56,12 +56,12 @@ class KVPool:
         device: torch.device | str = "cpu",
         scratch: bool = False,
     ) -> None:
-        """`scratch`: one more slot, never handed out, where a captured step's padding rows
-        write their keys and values (graphs.static_step)."""
+        """`scratch`: one more position past every slot's capacity, never handed out nor read,
+        where a captured step's padding rows write their keys and values (graphs.static_step)."""
         if num_slots < 1 or slot_capacity < 1:
             raise ConfigError(f"a KV pool needs slots and positions, got {num_slots} × {slot_capacity}")
-        self.scratch_slot = num_slots if scratch else None
-        self.shape = (num_layers, num_slots + scratch, num_kv_heads, slot_capacity, head_dim)
+        self.scratch_position = slot_capacity if scratch else None
+        self.shape = (num_layers, num_slots, num_kv_heads, slot_capacity + scratch, head_dim)
         # Zeros, not empty: a slot's positions past its request's are read (and weighted 0) by
         # the batched attention, and 0 × NaN would not be 0.
         self.keys = torch.zeros(self.shape, dtype=dtype, device=device)
@@ -72,12 +72,12 @@ class KVPool:
 
     @property
     def num_slots(self) -> int:
-        """The slots requests can hold (the scratch slot not counted)."""
-        return self.shape[1] - (self.scratch_slot is not None)
+        return self.shape[1]
 
     @property
     def slot_capacity(self) -> int:
-        return self.shape[3]
+        """The positions a slot holds for its request (the scratch position not counted)."""
+        return self.shape[3] - (self.scratch_position is not None)
 
     @property
     def nbytes(self) -> int:

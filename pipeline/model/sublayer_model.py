@@ -156,7 +156,7 @@ class SublayerModel:
     def _graphs_of(self, blocks: Sequence[RequestRows]) -> StepGraphs | None:
         """The captured steps over the pool of `blocks`' first cache, made at its first step."""
         cache = blocks[0].cache if blocks else None
-        if self.graphs is None or not isinstance(cache, PooledCache) or cache.pool.scratch_slot is None:
+        if self.graphs is None or not isinstance(cache, PooledCache) or cache.pool.scratch_position is None:
             return None
         if cache.pool.graphs is None:
             cache.pool.graphs = StepGraphs(self, cache.pool, self.graphs)

@@ -114,7 +114,7 @@ def test_a_captured_step_gives_the_eager_forwards_logits(tiny_checkpoint, mode, 
     full model and drafts' sub-networks, against the same forward run eagerly."""
     _, model = load_tiny(tiny_checkpoint, mode)
     slots = LAYOUTS[layout]
-    eager = pooled_caches(model, slots=slots, num_slots=6)  # a pool without a scratch slot: the eager route
+    eager = pooled_caches(model, slots=slots, num_slots=6)  # a pool without a scratch position: the eager route
     model.use_graphs(GraphSettings(capture="eager"))
     captured = pooled_caches(model, slots=slots, num_slots=6)
     graphs = None
@@ -153,20 +153,21 @@ def test_every_granularity_replays_the_same_step(tiny_llama, granularity, pieces
     assert graphs.pieces.captures == len(graphs.pieces) == pieces
 
 
-def test_padding_leaves_every_slot_but_the_scratch_one_alone(tiny_llama):
+def test_padding_writes_only_the_scratch_position(tiny_llama):
     _, model = load_tiny(tiny_llama)
     model.use_graphs(GraphSettings(capture="eager"))
     caches = pooled_caches(model)
     pool = caches[0].pool
+    assert pool.slot_capacity == 200 and pool.keys.shape[3] == 201 and pool.scratch_position == 200
     before_keys, before_values = pool.keys.clone(), pool.values.clone()
-    rows = [3, 1, 2]
+    rows = [3, 1, 2]  # in a bucket of 4 requests of 3 rows: 6 padding rows
     model.forward_batch(blocks_of(caches, rows), (), "last")
     changed = (pool.keys != before_keys).any(-1) | (pool.values != before_values).any(-1)  # [L, slots, kv, pos]
+    touched = changed.any(0).any(1)  # [slots, positions]
     for cache, n in zip(caches, rows):
-        touched = changed[:, cache.slot].any(0).any(0).nonzero().flatten().tolist()
-        assert touched == list(range(cache.length, cache.length + n))
-    assert pool.scratch_slot == 4 and pool.num_slots == 4 and changed[:, pool.scratch_slot].any()
-    assert not changed[:, 3].any()  # the free slot
+        expected = set(range(cache.length, cache.length + n)) | ({pool.scratch_position} if cache.slot == 0 else set())
+        assert set(touched[cache.slot].nonzero().flatten().tolist()) == expected
+    assert touched[0, pool.scratch_position] and not touched[3].any()  # slot 3 is free
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16"])

@@ -2,7 +2,7 @@
 
 A CUDA graph replays the kernels it captured on the buffers it captured them over, so a step
 runs at one of a few fixed shapes and is padded up to it: more requests than it has (idle
-ones, whose rows go to the pool's scratch slot), more rows per request (a decode step's one
+ones, whose rows write into the pool's scratch position), more rows per request (a decode step's one
 row, a verification's 1 + γ), and more keys than its longest request attends to. Each
 dimension is a short ladder; a step larger than the largest bucket runs eagerly.
 """

@@ -8,8 +8,9 @@ logits. Its pieces (graphs.pieces) read and write only those, so a graph capture
 replays any later step of the bucket once `load` has rewritten the metadata.
 
 Padding: a bucket's idle requests, and the rows a request lacks to the bucket's rows per
-request, write their keys and values into the pool's scratch slot at position 0 and see its
-first key only (a softmax over nothing would be NaN); their logits are never handed out.
+request, write their keys and values into the pool's scratch position (one past every slot's
+capacity, never read: kv_pool.py) and see their slot's first key only (a softmax over nothing
+would be NaN); their logits are never handed out.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ class StaticStep:
 
     def __init__(self, model, pool: KVPool, bucket: Bucket, buffers: StepBuffers, flex: bool = False) -> None:
         """`flex`: attention through flex.py (the bucket's keys are then the slots' capacity)."""
-        if pool.scratch_slot is None:
-            raise ValueError("a captured step pads into its pool's scratch slot: make the pool with scratch=True")
+        if pool.scratch_position is None:
+            raise ValueError("a captured step pads into its pool's scratch position: make the pool with scratch=True")
         self.model, self.pool, self.bucket, self.buffers = model, pool, bucket, buffers
         m, r, width = bucket.num_rows, bucket.requests, bucket.keys
         meta = buffers.metadata
@@ -79,10 +80,11 @@ class StaticStep:
         self.mask = buffers.mask[: m * width].view(r, 1, 1, bucket.rows, width)
         self.seen_rows = buffers.seen_rows[:m].view(r, bucket.rows)
         self.logits = buffers.logits[:m]
-        # The tables grown past the bucket's keys now: a graph holds the tensors it captured.
-        self.cos_table, self.sin_table = model.rotary.up_to(width)
+        # The tables grown past the bucket's keys (and the scratch position) now: a graph holds
+        # the tensors it captured.
+        self.cos_table, self.sin_table = model.rotary.up_to(max(width, pool.scratch_position + 1))
         request_slots = self.request_slots if bucket.gathered else None
-        self.blocks = SlotBlocks(self.seen_rows, pool.slot_capacity) if flex else None
+        self.blocks = SlotBlocks(self.seen_rows, pool.keys.shape[3]) if flex else None
         attention = SlotRows(
             pool, r, bucket.rows, width, self.row_slots, self.positions, request_slots, self.mask, self.seen_rows,
             self.blocks,
@@ -97,17 +99,17 @@ class StaticStep:
 
     def load(self, spans: Sequence[tuple[PooledCache, int, int]], token_ids: Sequence) -> None:
         """This step's metadata, padded to the bucket, into the buffers: (slot cache, start, rows)
-        per request with its token ids (host ints or a tensor). An idle place's rows write into
-        the scratch slot; read in place, its slot's keys (whatever they hold: finite, never NaN,
-        KVPool.release) are read and weighted by a padding row only."""
-        bucket, scratch = self.bucket, self.pool.scratch_slot
+        per request with its token ids (host ints or a tensor). Padding rows write into slot 0's
+        scratch position; an idle place's rows read its slot's first key (whatever it holds:
+        finite, never NaN, KVPool.release), and nothing else reads what they make."""
+        bucket, scratch = self.bucket, self.pool.scratch_position
         m, t = bucket.num_rows, bucket.rows
         values = torch.zeros(ROW_PARTS * m + bucket.requests, dtype=torch.long)
         ids, row_slots, positions, seen = values[: ROW_PARTS * m].view(ROW_PARTS, m)
         requests = values[ROW_PARTS * m :]
-        row_slots.fill_(scratch)
+        positions.fill_(scratch)
         seen.fill_(1)
-        requests.fill_(scratch)
+        requests.copy_(torch.arange(bucket.requests))  # (an idle place gathered: its place's slot)
         on_device = []
         for i, (cache, start, n), tokens in zip(self.places(spans), spans, token_ids):
             at = slice(i * t, i * t + n)
