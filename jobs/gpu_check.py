@@ -18,13 +18,17 @@ others still run; the report is rewritten after each):
    acceptance α that drafts skipping the same shares reached on a real model (SmolLM2 on CPU,
    jobs/acceptance.py's docs/results/acceptance-smollm2.json). Random weights have no
    meaningful acceptance of their own: the speed-ups are predictions.
-3. `prefill`: prompt reading in 4k chunks, tokens/s and the fraction of the bf16 matmul peak
-   at the model's shapes, measured in the same run.
-4. `equality`: on a tiny random model in fp32, each request's greedy tokens in one continuous
+3. `prefill`: prompt reading in 4k chunks (8k tokens: the second chunk split at its start,
+   unmasked), tokens/s and the fraction of the bf16 matmul peak at the model's shapes,
+   measured in the same run.
+4. `attention`: the device's attention routes in bf16 against their masked references: a
+   split prefill chunk against SDPA with a boolean mask, FlexAttention over slots against
+   the masked matmuls.
+5. `equality`: on a tiny random model in fp32, each request's greedy tokens in one continuous
    batch (mixed prompts and limits, prompt-lookup drafts), eager and captured, against the
    request alone; and how far the device's bf16 kernels move a row's logits as the rows beside
    it change (`row_drift`).
-5. `sampling`: speculative sampling's (t1, t2, t3) on the device with captured steps against
+6. `sampling`: speculative sampling's (t1, t2, t3) on the device with captured steps against
    the exact law of plain sampling (χ²).
 
 Writes OUTPUT/gpu_check.md and OUTPUT/gpu_check.json. `--device cpu --shape tiny` runs the

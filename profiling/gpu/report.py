@@ -36,6 +36,12 @@ def steps_lines(costs: list[dict], verify_rows: list[int]) -> list[str]:
             f"| {row['eager_host_ms']:.2f} | {row['graphs_host_ms']:.2f} | "
             + " | ".join(f"{row[f'verify_{k}_over_1']:.2f}" for k in verify_rows) + " |"
         )  # fmt: skip
+    lines += ["", "Capturing the steps above: graphs, host seconds, memory they hold (GPU)."]
+    for row in costs:
+        if "captures" in row:
+            memory = f", {row['graphs_memory_mib']:.0f} MiB" if "graphs_memory_mib" in row else ""
+            lines.append(f"- batch {row['batch']}, context {row['context']}: {row['captures']} graphs, "
+                         f"{row['capture_s']:.1f} s{memory}")  # fmt: skip
     lines += [
         "",
         (

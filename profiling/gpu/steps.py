@@ -188,6 +188,7 @@ def step_costs(
 
             floor = step_bytes(model, batch, context) / bandwidth
             row = {"batch": batch, "context": context, "floor_ms": floor * 1e3}
+            reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
             for path, captured in (("eager", False), ("graphs", True)):
                 seconds = timed(step(1, captured=captured), device, iterations)
                 row[f"{path}_ms"] = seconds * 1e3
@@ -204,6 +205,11 @@ def step_costs(
             row["draft_bytes_skipped"] = {
                 key: 1 - step_bytes(model, batch, context, skip) / full for key, skip in skips.items()
             }
+            # What capturing every step above cost: graphs, the host's time, the memory they hold.
+            pieces = pool.graphs.pieces
+            row["captures"], row["capture_s"] = pieces.captures, pieces.capture_seconds
+            if device.type == "cuda":
+                row["graphs_memory_mib"] = (torch.cuda.memory_reserved(device) - reserved) / 2**20
             if variant_draft is not None:
                 blocks = [RequestRows(c, [10], c.length) for c in caches]
                 row["variants"] = variant_costs(model, pool, blocks, skips[variant_draft], iterations)

@@ -19,6 +19,7 @@ the tests walk the same code).
 from __future__ import annotations
 
 import enum
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable
 
@@ -97,6 +98,7 @@ class PieceCache:
         self.max_pieces = max_pieces
         self._pieces: OrderedDict[Hashable, Piece] = OrderedDict()
         self.captures = 0  # how many captures it has made, evictions included
+        self.capture_seconds = 0.0  # the host's time in them (each piece's first run included)
 
     def run(self, key: Hashable, make: Callable[[], Piece]) -> None:
         """Run the piece under `key`: replayed where it was captured, else made, captured (which
@@ -106,7 +108,9 @@ class PieceCache:
             self._pieces.move_to_end(key)
             replay()
             return
+        started = time.perf_counter()
         self._pieces[key] = self.capture(make())
+        self.capture_seconds += time.perf_counter() - started
         self.captures += 1
         while len(self._pieces) > self.max_pieces:
             self._pieces.popitem(last=False)

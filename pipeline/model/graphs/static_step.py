@@ -128,16 +128,17 @@ class StaticStep:
     # The pieces: each reads and writes the buffers only.
 
     def embed(self) -> None:
-        """Token embeddings, rotary rows and the attention mask of the loaded rows."""
+        """Token embeddings, rotary rows and the attention masks of the loaded rows."""
         self.hidden_states.copy_(self.model.embed[self.token_ids])
         self.cos.copy_(self.cos_table[self.positions])
         self.sin.copy_(self.sin_table[self.positions])
         bucket = self.bucket
-        seen = self.seen.view(bucket.requests, 1, 1, bucket.rows, 1)
-        torch.ge(self.buffers.key_index[: bucket.keys], seen, out=self.mask)
         self.seen_rows.copy_(self.seen.view(bucket.requests, bucket.rows))
-        if self.blocks is not None:
+        if self.blocks is not None:  # FlexAttention's block mask, from the same lengths
             self.blocks.update()
+        else:
+            seen = self.seen.view(bucket.requests, 1, 1, bucket.rows, 1)
+            torch.ge(self.buffers.key_index[: bucket.keys], seen, out=self.mask)
 
     def items(self, runs: tuple[tuple[int, int], ...]) -> None:
         """The items of `runs` ([first, end) each, in order) over the residual stream, in place."""

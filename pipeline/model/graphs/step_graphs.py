@@ -66,6 +66,10 @@ class GraphSettings:
 
 
 class StepGraphs:
+    """A model's captured steps over one pool: the pool's bucket grid, the buffers every bucket's
+    step views, each bucket's static step, and the captured pieces (kept on the pool, made at
+    its first captured step: SublayerModel.forward_batch)."""
+
     def __init__(self, model, pool: KVPool, settings: GraphSettings) -> None:
         self.model, self.pool, self.settings = model, pool, settings
         self.flex = settings.flex_on(model.device)
