@@ -115,11 +115,11 @@ def _takes_fused(num_tokens: int, kernel: bool) -> bool:
 @dataclass(frozen=True)
 class SlotRows:
     """A captured step's rows: `requests` requests of `rows_each` rows, row r's keys and values
-    into slot `row_slots[r]` at `positions[r]` (a padding row's into the pool's scratch slot),
-    request i attending over the first `width` keys of slot `request_slots[i]` (None: of slot
-    i, read in place), `hidden`
-    [R, 1, 1, T, width] where it must not look (`seen`, the same for the CPU kernel). Device tensors in buffers the step's graphs
-    were captured over: a new step rewrites them, never replaces them."""
+    into slot `row_slots[r]` at `positions[r]` (a padding row's into the pool's scratch
+    position), request i attending over the first `width` keys of slot `request_slots[i]`
+    (None: of slot i, read in place), `hidden` [R, 1, 1, T, width] where it must not look
+    (`seen`, the same for the CPU kernel; `flex`, for FlexAttention). Device tensors in buffers
+    the step's graphs were captured over: a new step rewrites them, never replaces them."""
 
     pool: KVPool
     requests: int
@@ -207,8 +207,9 @@ class Attention:
         return pooled_attention(q * self.scale, pooled, layer, self.num_kv_heads, self.kernel)
 
     def _slots(self, layer: int, q, k, v, rows: SlotRows) -> torch.Tensor:
-        """Every row's keys and values into its slot, then each request's rows over its slot's
-        first `width` keys, gathered (the same shapes whatever the requests' lengths)."""
+        """Every row's keys and values into its slot, then each request's rows over its slot: its
+        own key blocks through FlexAttention, or its first `width` keys, masked, through the
+        matmuls (in place, or gathered first). The same shapes whatever the requests' lengths."""
         pool = rows.pool
         pool.keys[layer][rows.row_slots, :, rows.positions] = k
         pool.values[layer][rows.row_slots, :, rows.positions] = v

@@ -68,7 +68,7 @@ class KVPool:
         self.values = torch.zeros(self.shape, dtype=dtype, device=device)
         self._free = list(range(num_slots))  # a heap: low slots first, so live ones stay together
         self.live: dict[int, PooledCache] = {}
-        self.graphs = None  # a model's captured steps over this pool (graphs.StepGraphs), made at its first
+        self.graphs = None  # a model's captured steps over this pool (graphs.StepGraphs), from its first one
 
     @property
     def num_slots(self) -> int:

@@ -252,3 +252,34 @@ def test_flex_attention_reads_each_requests_own_keys_as_the_matmuls_do(tiny_llam
             cache.commit(cache.length + 128 * step + 2)
     graphs = captured[0].pool.graphs
     assert graphs.flex and set(graphs.steps_run) == {Bucket(4, 2, 400)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_decode_a_batch_as_each_request_alone(tiny_llama):
+    """On a GPU: captured CUDA graphs (FlexAttention, fused element-wise work), a continuous batch
+    with copies, skip sets and KnapSpec, against each request decoded alone eagerly, in fp32."""
+    from pipeline.model import checkpoint
+    from pipeline.model.linear import ComputeMode
+    from pipeline.model.loading import model_from_tensors
+
+    config = checkpoint.load_config(tiny_llama)
+    model = model_from_tensors(config, checkpoint.read_tensors(tiny_llama), ComputeMode.FP32, "cuda")
+    prompts = [repeating_prompt(n, seed).cuda() for seed, n in enumerate((5, 40, 90, 23, 60))]
+    limits = [30, 12, 25, 6, 18]
+    expected = [
+        decode(model, prefill(model, p, m), DecodeConfig(m), SamplingParams()).token_ids
+        for p, m in zip(prompts, limits)
+    ]
+    model.use_graphs(GraphSettings(capture="cuda"))
+    batcher = ContinuousBatcher(model, max_batch=4, slot_positions=160)
+    tickets = [
+        batcher.submit(GenerationRequest(p, DecodeConfig(m), SamplingParams(), d))
+        for p, m, d in zip(prompts, limits, mixed_drafters(model))
+    ]
+    finished = {done.ticket: done for done in batcher.run()}
+    for ticket, prompt, reference in zip(tickets, prompts, expected):
+        assert finished[ticket].error is None
+        assert_same_or_near_tie(model, prompt, finished[ticket].result.token_ids, reference)
+    graphs = batcher.pool.graphs
+    assert graphs.flex and graphs.pieces.captures > 0 and sum(graphs.steps_run.values()) > 10
