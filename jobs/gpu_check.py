@@ -66,6 +66,7 @@ STAGES = ("steps", "knapspec", "prefill", "attention", "equality", "sampling")
 # The draft skip shares timed against their bytes, of the attention items, the MLP items, or both.
 DRAFT_SHARES = (0.1, 0.2, 0.3, 0.4, 0.5)
 VARIANT_SHARE = 0.3  # the draft (this share of both kinds) timed through every way of capturing a step
+STEPS_SHARE = 0.6  # of the time budget, for the steps stage (the others take a minute or so on a GPU)
 logger = logging.getLogger("gpu_check")
 
 # Llama-3.1-8B's shapes; "tiny" keeps the same structure small enough for a CPU.
@@ -95,6 +96,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefill-chunk", type=int, default=4096)
     parser.add_argument("--samples", type=int, default=3000, help="speculative samples of the sampling stage")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {', '.join(STAGES)}")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=300.0,
+        help="seconds the whole check aims at: the steps stage starts no new batch and context past "
+        f"{STEPS_SHARE:.0%} of it, so that the stages after it still run (default 300)",
+    )
     parser.add_argument(
         "--acceptance", type=Path, default=DEFAULT_ACCEPTANCE, help="α per share of skipped items (jobs/acceptance.py)"
     )
@@ -215,9 +223,10 @@ def run(args: argparse.Namespace) -> int:
         num_layers = model.spec.num_layers
         skips = {_draft_key(*c): spread_skip(num_layers, *c) for c in draft_counts(acceptance, num_layers)}
         variant = _draft_key(*[min(round(VARIANT_SHARE * num_layers), num_layers - 2)] * 2)
+        deadline = started + STEPS_SHARE * args.time_budget
         run_stage(
             "steps",
-            lambda: step_costs(model, batch_sizes, contexts, verify_rows, args.iterations, skips, variant),
+            lambda: step_costs(model, batch_sizes, contexts, verify_rows, args.iterations, skips, variant, deadline),
             results,
             report,
         )

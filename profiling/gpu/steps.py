@@ -158,17 +158,23 @@ def variant_costs(model, pool, blocks: list[RequestRows], draft: frozenset[int],
 
 def step_costs(
     model, batch_sizes: list[int], contexts: list[int], verify_rows: list[int], iterations: int,
-    skips: dict[str, frozenset[int]], variant_draft: str | None = None,
+    skips: dict[str, frozenset[int]], variant_draft: str | None = None, deadline: float | None = None,
 ) -> list[dict]:  # fmt: skip
     """Per context and batch: the `ar` step eager and captured (ms, the floor's fraction,
     kernels and launches, host ms), verify(k) over one row and each draft's step over the
     `ar` step (captured), with the share of the step's bytes each draft skips; and with
-    `variant_draft`, the `ar` step and that draft's through each of VARIANTS."""
+    `variant_draft`, the `ar` step and that draft's through each of VARIANTS. Past `deadline`
+    (time.perf_counter's), the remaining batches and contexts are reported as skipped, so that
+    the stages after this one still run within the check's time."""
     device = model.device
     bandwidth = copy_bandwidth(device)
     rows = []
     for context in contexts:
         for batch in batch_sizes:
+            if deadline is not None and time.perf_counter() > deadline:
+                logger.warning("batch %d, context %d skipped: out of the check's time", batch, context)
+                rows.append({"batch": batch, "context": context, "skipped": "out of the check's time (--time-budget)"})
+                continue
             capacity = context + max(verify_rows)
             too_big = pool_fits(model, batch, capacity)
             if too_big is not None:

@@ -83,13 +83,17 @@ def test_a_failing_stage_is_reported_and_the_others_still_run(tmp_path, monkeypa
         raise RuntimeError("the prefill broke")
 
     monkeypatch.setattr(gpu_check, "prefill_speed", broken)
+    # No time at all for the steps stage: every batch and context is reported skipped, and the
+    # stages after it run.
     code = gpu_check.main(
-        ["--device", "cpu", "--shape", "tiny", "--stages", "prefill,sampling", "--samples", "200",
-         "--acceptance", str(acceptance), "--output", str(tmp_path)]
+        ["--device", "cpu", "--shape", "tiny", "--stages", "steps,prefill,sampling", "--samples", "200",
+         "--batch-sizes", "1,2", "--contexts", "64", "--time-budget", "0", "--acceptance", str(acceptance),
+         "--output", str(tmp_path)]
     )  # fmt: skip
     out = json.loads((tmp_path / "gpu_check.json").read_text())
     assert code == 1 and out["prefill"] == {"error": "RuntimeError: the prefill broke"}
-    assert out["sampling"]["samples"] == 200 and "steps" not in out
+    assert [row.get("skipped", "") for row in out["steps"]] == ["out of the check's time (--time-budget)"] * 2
+    assert out["sampling"]["samples"] == 200
     assert "FAILED: RuntimeError: the prefill broke" in (tmp_path / "gpu_check.md").read_text()
 
 
