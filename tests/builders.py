@@ -102,25 +102,10 @@ def sample_documents() -> list[dict]:
 
 
 def chi_square_p_value(counts: dict, exact: dict, num_samples: int) -> float:
-    """Goodness of fit of sampled sequences to their exact probabilities, rare cells merged
-    so that every expected count is at least 5."""
-    from scipy.stats import chisquare
+    """Goodness of fit of sampled sequences to their exact probabilities (profiling.gpu.checks.chi_square)."""
+    from profiling.gpu.checks import chi_square
 
-    observed, expected, rest_o, rest_e = [], [], 0, 0.0
-    for cell in sorted(exact, key=exact.get, reverse=True):
-        e = exact[cell] * num_samples
-        if e >= 5:
-            observed.append(counts.get(cell, 0))
-            expected.append(e)
-        else:
-            rest_o += counts.get(cell, 0)
-            rest_e += e
-    if rest_e > 0:
-        # Fold the remainder into the smallest kept cell, so it too has an expected count >= 5.
-        observed[-1] += rest_o
-        expected[-1] += rest_e
-    scale = sum(observed) / sum(expected)
-    return chisquare(observed, [e * scale for e in expected]).pvalue
+    return chi_square(counts, exact, num_samples)[2]
 
 
 class SampleTally:
@@ -145,28 +130,10 @@ class SampleTally:
 
 
 def exact_joint_law(model, prompt: torch.Tensor, params) -> dict[tuple[int, int, int], float]:
-    """P(t1, t2, t3) of plain sampling after `prompt`, over every sequence of nonzero probability
-    (from the distributions `params`' repetition control processes, where it has one)."""
-    from pipeline.decoding.sampling import probabilities
+    """P(t1, t2, t3) of plain sampling after `prompt` (profiling.gpu.checks.exact_law)."""
+    from profiling.gpu.checks import exact_law
 
-    def dist(prefix: list[int]) -> torch.Tensor:
-        cache = model.new_cache(prompt.numel() + 3)
-        logits = model.prefill(cache, torch.tensor(prompt.tolist() + prefix))
-        repetition = params.repetition(prompt.tolist())
-        if repetition is not None:
-            repetition.extend(prefix)
-            logits = repetition.process_row(logits)
-        return probabilities(logits, params)
-
-    exact = {}
-    p1 = dist([])
-    for t1 in p1.nonzero().flatten().tolist():
-        p2 = dist([t1])
-        for t2 in p2.nonzero().flatten().tolist():
-            p3 = dist([t1, t2])
-            for t3 in p3.nonzero().flatten().tolist():
-                exact[(t1, t2, t3)] = (p1[t1] * p2[t2] * p3[t3]).item()
-    return exact
+    return exact_law(model, prompt, params)
 
 
 # The tokenizer files of a chat model, copied next to a tiny model's weights.
@@ -307,6 +274,34 @@ def assert_same_or_near_tie(
     top2 = logits.topk(2).values
     gap, bound = float(top2[0] - top2[1]), promise.tie_gap(logits)
     assert gap < bound, f"token {first} differs without a near-tie (top-2 gap {gap:.2e}, {promise.describe()})"
+
+
+def batch_through_captured_steps(model, settings, limits=(30, 12, 25, 6, 18)):
+    """Mixed prompts, limits and drafters (copies, a fixed skip set, KnapSpec) decoded alone
+    eagerly, then in one continuous batch whose decode, verify and draft steps run as
+    `settings`' captured steps (pipeline/model/graphs): each request's greedy tokens as the
+    mode promises. Returns the batch's StepGraphs."""
+    from pipeline.decoding.decode import decode
+    from pipeline.decoding.loop import DecodeConfig, prefill
+    from pipeline.decoding.sampling import SamplingParams
+    from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest
+
+    prompts = [repeating_prompt(n, seed).to(model.device) for seed, n in enumerate((5, 40, 90, 23, 60))]
+    expected = [
+        decode(model, prefill(model, p, m), DecodeConfig(m), SamplingParams()).token_ids
+        for p, m in zip(prompts, limits)
+    ]
+    model.use_graphs(settings)
+    batcher = ContinuousBatcher(model, max_batch=4, slot_positions=160)  # (prompts chunked as alone)
+    tickets = [
+        batcher.submit(GenerationRequest(p, DecodeConfig(m), SamplingParams(), d))
+        for p, m, d in zip(prompts, limits, mixed_drafters(model))
+    ]
+    finished = {done.ticket: done for done in batcher.run()}
+    for ticket, prompt, reference in zip(tickets, prompts, expected):
+        assert finished[ticket].error is None
+        assert_same_or_near_tie(model, prompt, finished[ticket].result.token_ids, reference)
+    return batcher.pool.graphs
 
 
 def repeating_prompt(n: int, seed: int) -> torch.Tensor:

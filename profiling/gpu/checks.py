@@ -112,12 +112,17 @@ def greedy_equality(config, device: torch.device) -> dict:
 
 
 def exact_law(model, prompt: torch.Tensor, params: SamplingParams) -> dict[tuple[int, int, int], float]:
-    """P(t1, t2, t3) of plain sampling after `prompt`, every sequence of nonzero probability."""
+    """P(t1, t2, t3) of plain sampling after `prompt`, every sequence of nonzero probability
+    (from the distributions `params`' repetition control processes, where it has one)."""
 
     def dist(prefix: list[int]) -> torch.Tensor:
         cache = model.new_cache(prompt.numel() + 3)
-        ids = torch.tensor(prompt.tolist() + prefix, device=model.device)
-        return probabilities(model.prefill(cache, ids), params).cpu()
+        logits = model.prefill(cache, torch.tensor(prompt.tolist() + prefix, device=model.device))
+        repetition = params.repetition(prompt.tolist())
+        if repetition is not None:
+            repetition.extend(prefix)
+            logits = repetition.process_row(logits)
+        return probabilities(logits, params).cpu()
 
     law = {}
     p1 = dist([])
@@ -143,11 +148,15 @@ def chi_square(counts: dict, law: dict, num_samples: int) -> tuple[float, int, f
             rest_o += counts.get(cell, 0)
             rest_e += e
     if rest_e > 0:
+        # Fold the remainder into the smallest kept cell, so it too has an expected count >= 5.
         observed[-1] += rest_o
         expected[-1] += rest_e
-    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    scale = sum(observed) / sum(expected)  # (the law sums to 1 only up to rounding)
+    statistic = sum((o - e * scale) ** 2 / (e * scale) for o, e in zip(observed, expected))
     dof = max(len(observed) - 1, 1)
-    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(statistic / 2)))
+    # The χ² survival function: the regularized upper incomplete gamma Q(dof / 2, statistic / 2).
+    half = torch.tensor([dof / 2, statistic / 2], dtype=torch.float64)
+    p_value = float(torch.special.gammaincc(half[0], half[1]))
     return statistic, dof, p_value
 
 

@@ -7,15 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.decoding.decode import decode
-from pipeline.decoding.loop import DecodeConfig, prefill
-from pipeline.decoding.sampling import SamplingParams
-from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest
 from pipeline.model import short_attention
 from pipeline.model.fused import EAGER, fused_ops
 from pipeline.model.graphs import GraphSettings
 from pipeline.model.layers import signed_sin
-from tests.builders import assert_same_or_near_tie, load_tiny, mixed_drafters, repeating_prompt
+from tests.builders import batch_through_captured_steps, load_tiny
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -50,22 +46,7 @@ def test_a_batch_through_fused_captured_steps_equals_each_request_alone(tiny_lla
     monkeypatch.setattr(short_attention, "_enabled", False)
     monkeypatch.setattr(short_attention, "linear_kernel", lambda: None)
     _, model = load_tiny(tiny_llama)
-    prompts = [repeating_prompt(n, seed) for seed, n in enumerate((5, 40, 90, 23, 60))]
-    limits = [20, 12, 16, 6, 10]
-    expected = [
-        decode(model, prefill(model, p, m), DecodeConfig(m), SamplingParams()).token_ids
-        for p, m in zip(prompts, limits)
-    ]
-    model.use_graphs(GraphSettings(capture="eager", fuse=True))
+    batch_through_captured_steps(model, GraphSettings(capture="eager", fuse=True), limits=(20, 12, 16, 6, 10))
     assert model.ops is fused_ops()
-    batcher = ContinuousBatcher(model, max_batch=4, slot_positions=160)
-    tickets = [
-        batcher.submit(GenerationRequest(p, DecodeConfig(m), SamplingParams(), d))
-        for p, m, d in zip(prompts, limits, mixed_drafters(model))
-    ]
-    finished = {done.ticket: done for done in batcher.run()}
-    for ticket, prompt, reference in zip(tickets, prompts, expected):
-        assert finished[ticket].error is None
-        assert_same_or_near_tie(model, prompt, finished[ticket].result.token_ids, reference)
     model.use_graphs(None)
     assert model.ops is EAGER

@@ -9,10 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.decoding.decode import decode
-from pipeline.decoding.loop import DecodeConfig, prefill
-from pipeline.decoding.sampling import SamplingParams
-from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest
 from pipeline.errors import ConfigError
 from pipeline.model import short_attention
 from pipeline.model.flex import flex_available
@@ -21,7 +17,7 @@ from pipeline.model.graphs.buckets import Bucket, BucketGrid, key_ladder, reques
 from pipeline.model.graphs.pieces import PieceCache, item_runs, pieces_of
 from pipeline.model.linear import fp16w_available
 from pipeline.model.packing import RequestRows
-from tests.builders import assert_same_or_near_tie, load_tiny, mixed_drafters, repeating_prompt
+from tests.builders import batch_through_captured_steps, load_tiny, repeating_prompt
 from tests.host_sync import HostSyncCheck
 
 MODES = ["fp32", "bf16", pytest.param("fp16w", marks=pytest.mark.skipif(not fp16w_available(), reason="FBGEMM"))]
@@ -211,23 +207,7 @@ def test_a_batch_decoded_through_captured_steps_equals_each_request_alone(tiny_c
     batch whose decode, verify and draft steps run as captured steps, against each request
     decoded alone eagerly: greedy tokens as the mode promises."""
     _, model = load_tiny(tiny_checkpoint, mode)
-    prompts = [repeating_prompt(n, seed) for seed, n in enumerate((5, 40, 90, 23, 60))]
-    limits = [30, 12, 25, 6, 18]
-    expected = [
-        decode(model, prefill(model, p, m), DecodeConfig(m), SamplingParams()).token_ids
-        for p, m in zip(prompts, limits)
-    ]
-    model.use_graphs(GraphSettings(capture="eager"))
-    batcher = ContinuousBatcher(model, max_batch=4, slot_positions=160)  # (prompts chunked as alone)
-    tickets = [
-        batcher.submit(GenerationRequest(p, DecodeConfig(m), SamplingParams(), d))
-        for p, m, d in zip(prompts, limits, mixed_drafters(model))
-    ]
-    finished = {done.ticket: done for done in batcher.run()}
-    for ticket, prompt, reference in zip(tickets, prompts, expected):
-        assert finished[ticket].error is None
-        assert_same_or_near_tie(model, prompt, finished[ticket].result.token_ids, reference)
-    graphs = batcher.pool.graphs
+    graphs = batch_through_captured_steps(model, GraphSettings(capture="eager"))
     assert graphs is not None and sum(graphs.steps_run.values()) > 10
     assert any(bucket.rows > 1 for bucket in graphs.steps_run), "verification steps must run captured"
 
@@ -265,21 +245,5 @@ def test_cuda_graphs_decode_a_batch_as_each_request_alone(tiny_llama):
 
     config = checkpoint.load_config(tiny_llama)
     model = model_from_tensors(config, checkpoint.read_tensors(tiny_llama), ComputeMode.FP32, "cuda")
-    prompts = [repeating_prompt(n, seed).cuda() for seed, n in enumerate((5, 40, 90, 23, 60))]
-    limits = [30, 12, 25, 6, 18]
-    expected = [
-        decode(model, prefill(model, p, m), DecodeConfig(m), SamplingParams()).token_ids
-        for p, m in zip(prompts, limits)
-    ]
-    model.use_graphs(GraphSettings(capture="cuda"))
-    batcher = ContinuousBatcher(model, max_batch=4, slot_positions=160)
-    tickets = [
-        batcher.submit(GenerationRequest(p, DecodeConfig(m), SamplingParams(), d))
-        for p, m, d in zip(prompts, limits, mixed_drafters(model))
-    ]
-    finished = {done.ticket: done for done in batcher.run()}
-    for ticket, prompt, reference in zip(tickets, prompts, expected):
-        assert finished[ticket].error is None
-        assert_same_or_near_tie(model, prompt, finished[ticket].result.token_ids, reference)
-    graphs = batcher.pool.graphs
+    graphs = batch_through_captured_steps(model, GraphSettings(capture="cuda"))
     assert graphs.flex and graphs.pieces.captures > 0 and sum(graphs.steps_run.values()) > 10
