@@ -114,40 +114,41 @@ def test_a_replica_killed_again_and_again_loses_no_row(tiny_chat_checkpoint, tmp
 
 def test_a_replica_stopped_past_the_timeout_has_its_requests_finished_elsewhere(tiny_chat_checkpoint, tmp_path):
     rows = write_docs(tmp_path / "docs.jsonl", 16)
-    out = tmp_path / "out"
-    # Two documents at a time: most are sent after the stop, and the stopped replica is sent its share.
+    out, marker = tmp_path / "out", tmp_path / "stopped.pid"
+    # A replica stops itself at its third request, mid-run however fast the run goes; two documents at a
+    # time, so most are sent after the stop, and the stopped replica is sent its share before it is judged hung.
     job = start_job(["--input", tmp_path / "docs.jsonl", "--output", out, "--model", tiny_chat_checkpoint, *ARGS,
-                     "--documents-in-flight", "2", "--request-timeout", "8", "--request-timeout-per-token", "0"])  # fmt: skip
-    stopped, seen = None, []
+                     "--documents-in-flight", "2", "--request-timeout", "8", "--request-timeout-per-token", "0"],
+                    fault_env({"stop_once": str(marker), "stop_after": 2}))  # fmt: skip
+
+    def stopped() -> int | None:
+        return int(marker.read_text()) if marker.exists() and marker.read_text() else None
+
+    seen = []
 
     def watch_stderr() -> None:
         """Once the replica is judged hung, let it go on: it must rejoin, and the job must end."""
         for line in job.stderr:
             seen.append(line)
-            if "judged hung" in line and stopped is not None:
-                os.kill(stopped, signal.SIGCONT)
+            if "judged hung" in line and stopped() is not None:
+                os.kill(stopped(), signal.SIGCONT)
 
     watcher = threading.Thread(target=watch_stderr)
     watcher.start()
     try:
-        for line in job.stdout:
-            if line.startswith("[1/16]"):
-                stopped = replica_pids()[0]
-                os.kill(stopped, signal.SIGSTOP)
-                break
         job.stdout.read()
         code = job.wait(timeout=600)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
-        if stopped is not None:
+        if stopped() is not None:
             try:
-                os.kill(stopped, signal.SIGCONT)
+                os.kill(stopped(), signal.SIGCONT)
             except ProcessLookupError:
                 pass  # the job's shutdown killed it
     watcher.join()
     stderr = "".join(seen)
-    assert stopped is not None, "no document finished"
+    assert stopped() is not None, "no replica reached its third request"
     assert code == 0, stderr[-3000:]
     assert "judged hung" in stderr, stderr[-3000:]
     by_id = rows_by_id(out)
