@@ -277,31 +277,36 @@ def assert_same_or_near_tie(
 
 
 def batch_through_captured_steps(model, settings, limits=(30, 12, 25, 6, 18)):
-    """Mixed prompts, limits and drafters (copies, a fixed skip set, KnapSpec) decoded alone
-    eagerly, then in one continuous batch whose decode, verify and draft steps run as
-    `settings`' captured steps (pipeline/model/graphs): each request's greedy tokens as the
-    mode promises. Returns the batch's StepGraphs."""
-    from pipeline.decoding.decode import decode
-    from pipeline.decoding.loop import DecodeConfig, prefill
+    """Mixed prompts, limits and drafters (copies, a fixed skip set, KnapSpec) in one continuous
+    batch, against each request decoded alone plainly, both through `settings`' captured steps
+    (pipeline/model/graphs: decode, verify, draft and prompt-chunk steps): each request's greedy
+    tokens as the mode promises. (A captured prompt chunk's attention rounds otherwise than the
+    eager prefill's: the promise holds within one route, as within one dtype; the steps' logits
+    against the eager forward's are tests/model/test_graphs.py's.) Returns the batch's StepGraphs."""
+    from pipeline.decoding.loop import DecodeConfig
     from pipeline.decoding.sampling import SamplingParams
     from pipeline.decoding.scheduler import ContinuousBatcher, GenerationRequest
 
     prompts = [repeating_prompt(n, seed).to(model.device) for seed, n in enumerate((5, 40, 90, 23, 60))]
-    expected = [
-        decode(model, prefill(model, p, m), DecodeConfig(m), SamplingParams()).token_ids
-        for p, m in zip(prompts, limits)
-    ]
     model.use_graphs(settings)
-    batcher = ContinuousBatcher(model, max_batch=4, slot_positions=160)  # (prompts chunked as alone)
-    tickets = [
-        batcher.submit(GenerationRequest(p, DecodeConfig(m), SamplingParams(), d))
-        for p, m, d in zip(prompts, limits, mixed_drafters(model))
-    ]
-    finished = {done.ticket: done for done in batcher.run()}
-    for ticket, prompt, reference in zip(tickets, prompts, expected):
-        assert finished[ticket].error is None
-        assert_same_or_near_tie(model, prompt, finished[ticket].result.token_ids, reference)
-    return batcher.pool.graphs
+
+    def decoded(max_batch: int, drafters) -> list[list[int]]:
+        batcher = ContinuousBatcher(model, max_batch=max_batch, slot_positions=160)  # (prompts chunked alike)
+        tickets = [
+            batcher.submit(GenerationRequest(p, DecodeConfig(m), SamplingParams(), d))
+            for p, m, d in zip(prompts, limits, drafters)
+        ]
+        finished = {done.ticket: done for done in batcher.run()}
+        for ticket in tickets:
+            assert finished[ticket].error is None, finished[ticket].error
+        decoded.graphs = batcher.pool.graphs
+        return [finished[ticket].result.token_ids for ticket in tickets]
+
+    expected = decoded(1, [None] * len(prompts))  # one at a time: each request alone
+    got = decoded(4, mixed_drafters(model))
+    for prompt, tokens, reference in zip(prompts, got, expected):
+        assert_same_or_near_tie(model, prompt, tokens, reference)
+    return decoded.graphs
 
 
 def repeating_prompt(n: int, seed: int) -> torch.Tensor:

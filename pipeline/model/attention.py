@@ -128,7 +128,7 @@ class SlotRows:
     row_slots: torch.Tensor
     positions: torch.Tensor
     request_slots: torch.Tensor | None
-    hidden: torch.Tensor
+    hidden: torch.Tensor | None  # None where FlexAttention reads `flex`
     seen: torch.Tensor  # int32 [R, T]: the keys each row sees, as the fused CPU kernel takes them
     flex: SlotBlocks | None = None  # attention through FlexAttention over this block mask (flex.py)
 
@@ -209,11 +209,12 @@ class Attention:
     def _slots(self, layer: int, q, k, v, rows: SlotRows) -> torch.Tensor:
         """Every row's keys and values into its slot, then each request's rows over its slot: its
         own key blocks through FlexAttention, or its first `width` keys, masked, through the
-        matmuls (in place, or gathered first). The same shapes whatever the requests' lengths."""
+        matmuls (in place, or gathered first). The same shapes whatever the requests' lengths.
+        The fused CPU kernel takes short blocks only, as in an eager forward (`_span`)."""
         pool = rows.pool
         pool.keys[layer][rows.row_slots, :, rows.positions] = k
         pool.values[layer][rows.row_slots, :, rows.positions] = v
-        if rows.flex is not None:
+        if rows.flex is not None and rows.request_slots is None:
             keys, values = pool.keys[layer][: rows.requests], pool.values[layer][: rows.requests]
             return flex_slot_attention(q, keys, values, rows.flex, self.scale)
         keys, values = pool.keys[layer][:, :, : rows.width], pool.values[layer][:, :, : rows.width]
@@ -221,7 +222,9 @@ class Attention:
             keys, values = keys[: rows.requests], values[: rows.requests]
         else:
             keys, values = keys.index_select(0, rows.request_slots), values.index_select(0, rows.request_slots)
-        seen = rows.seen if self.kernel else None
+        if rows.flex is not None:  # a prompt chunk: its slot's keys up to the bucket's
+            return flex_slot_attention(q, keys, values, rows.flex, self.scale)
+        seen = rows.seen if self.kernel and rows.rows_each <= KERNEL_MAX_ROWS else None
         return slot_attention(q * self.scale, keys, values, rows.hidden, self.num_kv_heads, seen)
 
     def _branches(self, layer: int, q, k, v, rows: Branches) -> torch.Tensor:

@@ -42,17 +42,22 @@ def compiled_flex(device_type: str):
 class SlotBlocks:
     """The block mask of `requests` requests of `rows` rows over slots of `capacity` keys, over
     the step's buffer of the keys each row sees (`seen`, int32 [R, T]); `update` rewrites it
-    in place from that buffer, so a graph captured over it serves every later step."""
+    in place from that buffer, so a graph captured over it serves every later step. Rows past
+    one block of queries (a prompt chunk, a multiple of BLOCK rows) have a row of key blocks
+    per block of queries: its causal staircase, not the chunk's last row's keys for every row."""
 
     def __init__(self, seen: torch.Tensor, capacity: int) -> None:
         from torch.nn.attention.flex_attention import BlockMask
 
         requests, rows = seen.shape
+        if rows > BLOCK and rows % BLOCK:
+            raise ValueError(f"a step of more than {BLOCK} rows per request needs a multiple of {BLOCK}, got {rows}")
+        q_blocks = -(-rows // BLOCK)
         num_blocks = -(-capacity // BLOCK)
         self.seen = seen
-        self.num_blocks = torch.ones(requests, 1, 1, dtype=torch.int32, device=seen.device)
+        self.num_blocks = torch.ones(requests, 1, q_blocks, dtype=torch.int32, device=seen.device)
         indices = torch.arange(num_blocks, dtype=torch.int32, device=seen.device)
-        self.indices = indices.expand(requests, 1, 1, num_blocks).contiguous()
+        self.indices = indices.expand(requests, 1, q_blocks, num_blocks).contiguous()
 
         def visible(b, h, q_idx, kv_idx):
             return kv_idx < seen[b, q_idx]
@@ -63,16 +68,17 @@ class SlotBlocks:
         )  # fmt: skip
 
     def update(self) -> None:
-        """Each request's blocks up to its rows' furthest visible key."""
-        most = self.seen.amax(dim=1)
-        torch.div(most + (BLOCK - 1), BLOCK, rounding_mode="floor", out=self.num_blocks.view(-1))
+        """Each block of queries' key blocks, up to its rows' furthest visible key."""
+        requests, q_blocks = self.num_blocks.shape[0], self.num_blocks.shape[2]
+        most = self.seen.view(requests, q_blocks, -1).amax(dim=2)
+        torch.div(most + (BLOCK - 1), BLOCK, rounding_mode="floor", out=self.num_blocks.view(requests, q_blocks))
 
 
 def flex_slot_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: SlotBlocks, scale: float
 ) -> torch.Tensor:
     """q [R * T, H, head_dim] over keys/values [R, kv_heads, capacity, head_dim] (slot i for
-    request i, the step's own written first) -> [R * T, H * head_dim]."""
+    request i, or request i's slot gathered; the step's own written first) -> [R * T, H * head_dim]."""
     num_requests = keys.shape[0]
     rows, num_heads, head_dim = q.shape
     queries = q.view(num_requests, rows // num_requests, num_heads, head_dim).transpose(1, 2)

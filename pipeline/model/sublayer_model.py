@@ -148,9 +148,10 @@ class SublayerModel:
         """
         graphs = self._graphs_of(blocks)
         if graphs is not None:
-            bucket = graphs.bucket_of(blocks)
-            if bucket is not None:
-                return graphs.run(bucket, blocks, skip, check_logit_choices(blocks, logits))
+            wanted = check_logit_choices(blocks, logits)
+            parts = graphs.parts(blocks, wanted)
+            if parts is not None:
+                return graphs.run_parts(parts, blocks, skip, wanted)
         return self.run_blocks(blocks, skip, logits)[0]
 
     def _graphs_of(self, blocks: Sequence[RequestRows]) -> StepGraphs | None:

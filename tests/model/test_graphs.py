@@ -13,7 +13,7 @@ from pipeline.errors import ConfigError
 from pipeline.model import short_attention
 from pipeline.model.flex import flex_available
 from pipeline.model.graphs import Granularity, GraphSettings
-from pipeline.model.graphs.buckets import Bucket, BucketGrid, key_ladder, request_ladder
+from pipeline.model.graphs.buckets import Bucket, BucketGrid, chunk_ladder, key_ladder, request_ladder
 from pipeline.model.graphs.pieces import PieceCache, item_runs, pieces_of
 from pipeline.model.linear import fp16w_available
 from pipeline.model.packing import RequestRows
@@ -49,6 +49,22 @@ def test_a_step_takes_the_smallest_bucket_that_holds_it():
     assert len(grid) == 7 * 3 * 5
     with pytest.raises(ConfigError, match="ascending"):
         BucketGrid((1, 2), (3, 1), (8,))
+
+
+def test_a_prompt_chunk_takes_the_smallest_chunk_bucket_that_holds_it():
+    assert chunk_ladder(4096) == (128, 256, 512, 1024, 2048, 4096)
+    assert chunk_ladder(100) == ()
+    grid = BucketGrid.for_pool(4, [1, 3], 1000, prefill_chunk=512)
+    assert grid.chunks == (128, 256, 512) and grid.chunk_keys == (512, 1000)
+    assert grid.chunk_for(10, 20) == Bucket(1, 128, 512, gathered=True, chunk=True)
+    assert grid.chunk_for(300, 700) == Bucket(1, 512, 1000, gathered=True, chunk=True)
+    assert grid.chunk_for(513, 600) is None  # longer than the prefill chunk
+    assert grid.chunk_for(100, 1001) is None
+    assert grid.largest_chunk == Bucket(1, 512, 1000, True, True)
+    assert len(grid) == 3 * 2 * 2 + 3 * 2
+    one_key = BucketGrid.for_pool(4, [1, 3], 1000, one_key_bucket=True, prefill_chunk=512)
+    assert one_key.keys == (1000,) and one_key.chunk_keys == (512, 1000)  # a chunk's slot is gathered: its ladder
+    assert BucketGrid.for_pool(4, [1], 1000).chunks == ()  # no prefill chunk given: no chunk buckets
 
 
 def test_a_skip_set_replays_its_runs_of_items():
@@ -210,6 +226,49 @@ def test_a_batch_decoded_through_captured_steps_equals_each_request_alone(tiny_c
     graphs = batch_through_captured_steps(model, GraphSettings(capture="eager"))
     assert graphs is not None and sum(graphs.steps_run.values()) > 10
     assert any(bucket.rows > 1 for bucket in graphs.steps_run), "verification steps must run captured"
+    assert any(bucket.chunk for bucket in graphs.steps_run), "prompt chunks must run captured"
+
+
+CHUNK_ROUTES = [
+    ("fp32", "matmul"),
+    ("bf16", "matmul"),
+    pytest.param("fp16w", "matmul", marks=pytest.mark.skipif(not fp16w_available(), reason="FBGEMM")),
+    pytest.param("fp32", "flex", marks=pytest.mark.skipif(not flex_available(), reason="no FlexAttention")),
+]
+
+
+@pytest.mark.parametrize(("mode", "attention"), CHUNK_ROUTES)
+def test_a_prompt_chunk_runs_as_its_buckets_step_alone_and_beside_decode_rows(tiny_checkpoint, mode, attention):
+    """A prompt of 300 tokens after 20 already in slot 2, in chunks of 200, 56 and 44 rows (padded
+    to buckets of 256 rows — two blocks of queries for FlexAttention — and 128), the second
+    beside two requests' decode rows: the last chunk's logits, the decode rows' and the keys and
+    values the chunks leave in the slot, against the eager forward's. Each chunk is a captured
+    step of its own bucket."""
+    _, model = load_tiny(tiny_checkpoint, mode)
+    lengths, capacity = (40, 70, 20), 400
+    eager = pooled_caches(model, lengths, capacity)
+    model.use_graphs(GraphSettings(capture="eager", attention=attention))
+    captured = pooled_caches(model, lengths, capacity)
+    prompt = repeating_prompt(300, 7)[:300].tolist()
+
+    def steps(caches):
+        chunk = lambda a, e, logits: RequestRows(caches[2], prompt[a:e], 20 + a, logits)
+        decode = [RequestRows(c, [9], c.length, "all") for c in caches[:2]]
+        run = model.forward_batch if caches is captured else lambda blocks: model.run_blocks(blocks, (), "all")[0]
+        out = [run([chunk(0, 200, "none")]), run([*decode, chunk(200, 256, "none")]), run([chunk(256, 300, "last")])]
+        return out[1][:2] + out[2]
+
+    expected, got = steps(eager), steps(captured)
+    tolerance = 1e-5 if mode == "fp32" else 5e-2
+    for e, g in zip(expected, got):
+        assert g.shape == e.shape
+        torch.testing.assert_close(g, e, atol=tolerance * float(e.abs().max()), rtol=0)
+    for tensors in ("keys", "values"):
+        e, g = (getattr(c[2].pool, tensors)[:, 2, :, : 20 + 300] for c in (eager, captured))
+        torch.testing.assert_close(g, e, atol=tolerance * float(e.abs().max()), rtol=0)
+    graphs = captured[0].pool.graphs
+    chunks = [Bucket(1, rows, capacity, gathered=True, chunk=True) for rows in (256, 128)]
+    assert graphs.steps_run == {chunks[0]: 1, chunks[1]: 2, Bucket(2, 1, capacity): 1}
 
 
 @pytest.mark.skipif(not flex_available(), reason="PyTorch without FlexAttention")

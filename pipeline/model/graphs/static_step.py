@@ -7,6 +7,9 @@ by one copy from the host; the residual stream; the rotary rows; the attention m
 logits. Its pieces (graphs.pieces) read and write only those, so a graph captured over them
 replays any later step of the bucket once `load` has rewritten the metadata.
 
+A prompt chunk's bucket (one request, its slot gathered) reads the same buffers; its LM head
+runs on the chunk's last row only, found on the device from the metadata's last entry.
+
 Padding: a bucket's idle requests, and the rows a request lacks to the bucket's rows per
 request, write their keys and values into the pool's scratch position (one past every slot's
 capacity, never read: kv_pool.py) and see their slot's first key only (a softmax over nothing
@@ -28,25 +31,30 @@ from pipeline.model.packing import kernel_ranges
 from pipeline.model.step_rows import Rows
 
 # The metadata buffer's parts, each one int64 per row: token id, slot, position, keys seen;
-# then one slot per request.
+# then one slot per request, then a prompt chunk's last row.
 ROW_PARTS = 4
 
 
 class StepBuffers:
-    """The buffers every bucket's step of one model over one pool views, sized for the largest."""
+    """The buffers every bucket's step of one model over one pool views, sized for the largest
+    step and the largest prompt chunk (whose logits are one row's). `flex`: no step reads the
+    boolean mask (flex.py's block masks instead), so none is made."""
 
-    def __init__(self, model, largest: Bucket) -> None:
-        rows, device, spec = largest.num_rows, model.device, model.spec
-        self.metadata = torch.zeros(ROW_PARTS * rows + largest.requests, dtype=torch.long, device=device)
+    def __init__(self, model, largest: Bucket, largest_chunk: Bucket | None = None, flex: bool = False) -> None:
+        device, spec = model.device, model.spec
+        buckets = [largest] if largest_chunk is None else [largest, largest_chunk]
+        rows = max(b.num_rows for b in buckets)
+        self.metadata = torch.zeros(ROW_PARTS * rows + largest.requests + 1, dtype=torch.long, device=device)
         host = torch.zeros_like(self.metadata, device="cpu")
         self.host = host.pin_memory() if torch.device(device).type == "cuda" else host
         self.hidden_states = torch.zeros(rows, spec.hidden_size, dtype=model.dtype, device=device)
         self.cos = torch.zeros(rows, 1, spec.head_dim, dtype=model.dtype, device=device)
         self.sin = torch.zeros_like(self.cos)
-        self.mask = torch.zeros(rows * largest.keys, dtype=torch.bool, device=device)
+        mask_size = 0 if flex else max(b.num_rows * b.keys for b in buckets)
+        self.mask = torch.zeros(mask_size, dtype=torch.bool, device=device)
         self.seen_rows = torch.zeros(rows, dtype=torch.int32, device=device)
-        self.key_index = torch.arange(largest.keys, device=device)
-        self.logits = torch.zeros(rows, spec.vocab_size, dtype=torch.float32, device=device)
+        self.key_index = torch.arange(max(b.keys for b in buckets), device=device)
+        self.logits = torch.zeros(largest.num_rows, spec.vocab_size, dtype=torch.float32, device=device)
         self._copied: torch.cuda.Event | None = None
 
     def send(self, values: torch.Tensor) -> None:
@@ -67,7 +75,8 @@ class StaticStep:
     of the shared buffers, and `load` / `logits_of` around them."""
 
     def __init__(self, model, pool: KVPool, bucket: Bucket, buffers: StepBuffers, flex: bool = False) -> None:
-        """`flex`: attention through flex.py (the bucket's keys are then the slots' capacity)."""
+        """`flex`: attention through flex.py (the bucket's keys are then the slots' capacity, but
+        for a prompt chunk's, which reads its gathered slot up to the bucket's keys)."""
         if pool.scratch_position is None:
             raise ValueError("a captured step pads into its pool's scratch position: make the pool with scratch=True")
         self.model, self.pool, self.bucket, self.buffers = model, pool, bucket, buffers
@@ -75,16 +84,18 @@ class StaticStep:
         meta = buffers.metadata
         self.token_ids, self.row_slots, self.positions, self.seen = meta[: ROW_PARTS * m].view(ROW_PARTS, m)
         self.request_slots = meta[ROW_PARTS * m : ROW_PARTS * m + r]
+        self.last_row = meta[ROW_PARTS * m + r : ROW_PARTS * m + r + 1]
         self.hidden_states = buffers.hidden_states[:m]
         self.cos, self.sin = buffers.cos[:m], buffers.sin[:m]
-        self.mask = buffers.mask[: m * width].view(r, 1, 1, bucket.rows, width)
+        self.mask = None if flex else buffers.mask[: m * width].view(r, 1, 1, bucket.rows, width)
         self.seen_rows = buffers.seen_rows[:m].view(r, bucket.rows)
-        self.logits = buffers.logits[:m]
+        self.logits = buffers.logits[: 1 if bucket.chunk else m]
         # The tables grown past the bucket's keys (and the scratch position) now: a graph holds
         # the tensors it captured.
         self.cos_table, self.sin_table = model.rotary.up_to(max(width, pool.scratch_position + 1))
         request_slots = self.request_slots if bucket.gathered else None
-        self.blocks = SlotBlocks(self.seen_rows, pool.keys.shape[3]) if flex else None
+        capacity = width if bucket.gathered else pool.keys.shape[3]
+        self.blocks = SlotBlocks(self.seen_rows, capacity) if flex else None
         attention = SlotRows(
             pool, r, bucket.rows, width, self.row_slots, self.positions, request_slots, self.mask, self.seen_rows,
             self.blocks,
@@ -104,9 +115,9 @@ class StaticStep:
         finite, never NaN, KVPool.release), and nothing else reads what they make."""
         bucket, scratch = self.bucket, self.pool.scratch_position
         m, t = bucket.num_rows, bucket.rows
-        values = torch.zeros(ROW_PARTS * m + bucket.requests, dtype=torch.long)
+        values = torch.zeros(ROW_PARTS * m + bucket.requests + 1, dtype=torch.long)
         ids, row_slots, positions, seen = values[: ROW_PARTS * m].view(ROW_PARTS, m)
-        requests = values[ROW_PARTS * m :]
+        requests = values[ROW_PARTS * m : ROW_PARTS * m + bucket.requests]
         positions.fill_(scratch)
         seen.fill_(1)
         requests.copy_(torch.arange(bucket.requests))  # (an idle place gathered: its place's slot)
@@ -121,6 +132,7 @@ class StaticStep:
             positions[at] = torch.arange(start, start + n)
             seen[at] = positions[at] + 1
             requests[i] = cache.slot
+            values[-1] = i * t + n - 1  # (a prompt chunk's last row: its bucket's one request)
         self.buffers.send(values)
         for at, tokens in on_device:
             self.token_ids[at].copy_(tokens)
@@ -149,13 +161,20 @@ class StaticStep:
         self.hidden_states.copy_(h)
 
     def head(self) -> None:
-        self.logits.copy_(self.model.logits(self.hidden_states, self.bucket.rows <= KERNEL_MAX_ROWS))
+        if self.bucket.chunk:  # the last row's logits, the one row a chunk hands out
+            self.logits.copy_(self.model.logits(self.hidden_states.index_select(0, self.last_row), True))
+        else:
+            self.logits.copy_(self.model.logits(self.hidden_states, self.bucket.rows <= KERNEL_MAX_ROWS))
 
     def logits_of(
         self, spans: Sequence[tuple[PooledCache, int, int]], wanted: Sequence[str]
     ) -> list[torch.Tensor | None]:
         """Each request's logits ("all": its rows', "last": its last row's, "none": None) out of
-        the buffer, in one copy (the next step rewrites it)."""
+        the buffer, in one copy (the next step rewrites it). A chunk's: "last" or "none"."""
+        if self.bucket.chunk:
+            if wanted[0] == "all":
+                raise ValueError("a prompt chunk's captured step makes its last row's logits only")
+            return [self.logits.clone() if wanted[0] == "last" else None]
         logits, t = self.logits.clone(), self.bucket.rows
         out: list[torch.Tensor | None] = []
         for i, (_, _, n), choice in zip(self.places(spans), spans, wanted):

@@ -3,8 +3,12 @@
 A forward whose requests all sit in slots of the pool, with at most the grid's rows each
 (decode, verification, a draft position), runs as its bucket's static step: the metadata
 loaded in one copy, then the embedding, the item pieces of its skip set and the LM head
-replayed (graphs.pieces). Anything else — a prefill chunk, a request with a cache of its
-own, the DP's branches, a forward that asks for hidden states — runs eagerly as before.
+replayed (graphs.pieces). A prompt chunk that wants its last row's logits or none runs as its
+chunk bucket's step; beside decode and verify rows, the forward runs as two captured steps,
+the chunk's and the rest's (a request's rows touch only its own slot, so the order is
+free). Anything else — a chunk longer than the largest chunk bucket or asking for every
+row's logits, a request with a cache of its own, the DP's branches, a forward that asks for
+hidden states — runs eagerly as before.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ class GraphSettings:
     """How a model captures its steps: `capture` "cuda" (CUDA graphs) or "eager" (the same
     static steps and pieces, run eagerly: a CPU's, and the tests'); `rows`, the rows per request
     of the buckets; `granularity`, a piece per run of items or per item (graphs.pieces);
-    `max_pieces`, how many captured pieces are kept; `attention`, "flex" (flex.py: each
+    `max_pieces`, how many captured pieces are kept; `chunks`, prompt chunks captured too
+    (buckets of 128 rows up to the model's prefill chunk); `attention`, "flex" (flex.py: each
     request's own keys, one bucket of keys), "matmul" (the slots' keys up to a bucket of keys,
     masked), or "auto" (flex on a GPU where PyTorch has it, else matmul); `fuse`, an item's
     element-wise work as Inductor kernels (fused.py; None: on a GPU)."""
@@ -47,6 +52,7 @@ class GraphSettings:
     rows: tuple[int, ...] = DEFAULT_ROWS
     granularity: Granularity = Granularity.RUNS
     max_pieces: int = 4096
+    chunks: bool = True
     attention: str = "auto"
     fuse: bool | None = None
 
@@ -73,22 +79,47 @@ class StepGraphs:
     def __init__(self, model, pool: KVPool, settings: GraphSettings) -> None:
         self.model, self.pool, self.settings = model, pool, settings
         self.flex = settings.flex_on(model.device)
-        self.grid = BucketGrid.for_pool(pool.num_slots, settings.rows, pool.slot_capacity, one_key_bucket=self.flex)
-        largest = Bucket(self.grid.requests[-1], self.grid.rows[-1], self.grid.keys[-1])
-        self.buffers = StepBuffers(model, largest)
+        chunk = model.prefill_chunk if settings.chunks else 0
+        self.grid = BucketGrid.for_pool(pool.num_slots, settings.rows, pool.slot_capacity, self.flex, chunk)
+        self.buffers = StepBuffers(model, self.grid.largest, self.grid.largest_chunk, self.flex)
         capture = CudaCapture(torch.device(model.device)) if settings.capture == "cuda" else eager_capture
         self.pieces = PieceCache(capture, settings.max_pieces)
         self.num_items = items.num_items(model.spec.num_layers)
         self._steps: dict[Bucket, StaticStep] = {}
         self.steps_run: Counter[Bucket] = Counter()
         logger.info(
-            "captured steps over a pool of %d slots: %d buckets (requests %s, rows %s, keys %s), %s pieces, %s attention",
+            "captured steps over a pool of %d slots: %d buckets (requests %s, rows %s, keys %s; prompt chunks of %s "
+            "rows), %s pieces, %s attention",
             pool.num_slots, len(self.grid), self.grid.requests, self.grid.rows, self.grid.keys,
-            settings.granularity.value, "flex" if self.flex else "matmul",
+            self.grid.chunks or "no", settings.granularity.value, "flex" if self.flex else "matmul",
         )  # fmt: skip
 
+    def parts(self, blocks: Sequence[RequestRows], wanted: Sequence[str]) -> list[tuple[Bucket, list[int]]] | None:
+        """The captured steps that serve `blocks` with the logits `wanted`: (bucket, the blocks'
+        indices) each, a prompt chunk's apart from the rest; None where one part has no bucket
+        (the forward runs eagerly, whole)."""
+        if not blocks or not all(isinstance(b.cache, PooledCache) and b.cache.pool is self.pool for b in blocks):
+            return None
+        widest = self.grid.rows[-1]
+        chunks = [i for i, block in enumerate(blocks) if len(block.token_ids) > widest]
+        parts = []
+        for i in chunks:
+            block = blocks[i]
+            bucket = self.grid.chunk_for(len(block.token_ids), block.start + len(block.token_ids))
+            if bucket is None or wanted[i] == "all":
+                return None
+            parts.append((bucket, [i]))
+        rest = [i for i in range(len(blocks)) if i not in chunks]
+        if rest:
+            bucket = self.bucket_of([blocks[i] for i in rest])
+            if bucket is None:
+                return None
+            parts.append((bucket, rest))
+        return parts
+
     def bucket_of(self, blocks: Sequence[RequestRows]) -> Bucket | None:
-        """The bucket whose captured step serves `blocks`, or None (they run eagerly)."""
+        """The bucket whose captured step serves `blocks` (none of them a prompt chunk), or None
+        (they run eagerly)."""
         for block in blocks:
             if not isinstance(block.cache, PooledCache) or block.cache.pool is not self.pool:
                 return None
@@ -132,3 +163,15 @@ class StepGraphs:
         self.replay(step, "head")
         self.steps_run[bucket] += 1
         return step.logits_of([(block.cache, block.start, len(block.token_ids)) for block in blocks], wanted)
+
+    def run_parts(
+        self, parts: Sequence[tuple[Bucket, list[int]]], blocks: Sequence[RequestRows], skip: Collection[int],
+        wanted: Sequence[str],
+    ) -> list[torch.Tensor | None]:  # fmt: skip
+        """`blocks` through `parts` (StepGraphs.parts), one captured step each: the logits in order."""
+        out: list[torch.Tensor | None] = [None] * len(blocks)
+        for bucket, indices in parts:
+            results = self.run(bucket, [blocks[i] for i in indices], skip, [wanted[i] for i in indices])
+            for i, logits in zip(indices, results):
+                out[i] = logits
+        return out
