@@ -129,6 +129,19 @@ def prefill_lines(result: dict) -> list[str]:
             f"{result['tflops']:.3g} TFLOP/s, {result['of_peak']:.2f} of the matmul peak at the model's shapes "
             f"({result['peak_tflops']:.3g} TFLOP/s, same run)."
         )
+    ] + captured_prefill_lines(result.get("captured"))
+
+
+def captured_prefill_lines(captured: dict | None) -> list[str]:
+    if captured is None:
+        return []
+    return [
+        "",
+        (
+            f"As the batcher feeds a prompt (the model's chunks of {captured['chunk']}, into a pool's slot): eager "
+            f"{captured['eager_tokens_per_s']:.0f} tokens/s, captured {captured['captured_tokens_per_s']:.0f} "
+            f"tokens/s ({captured['speedup']:.2f}×; {captured['chunk_steps']} captured chunk steps)."
+        ),
     ]
 
 

@@ -235,7 +235,9 @@ def step_costs(
 
 def prefill_speed(model, tokens: int, chunk: int, iterations: int) -> dict:
     """Prompt reading in chunks of `chunk` tokens: tokens/s and its FLOP rate against the
-    device's matmul peak at the model's shapes and a chunk's rows (same dtype, same run)."""
+    device's matmul peak at the model's shapes and a chunk's rows (same dtype, same run). Where
+    the model captures its steps, also the batcher's way side by side: the prompt into a pool's
+    slot in the model's own prefill chunks, eager and as captured chunk steps (`captured`)."""
     device = model.device
     ids = torch.randint(3, model.spec.vocab_size, (tokens,), device=device)
     cache = model.new_cache(tokens)
@@ -253,7 +255,41 @@ def prefill_speed(model, tokens: int, chunk: int, iterations: int) -> dict:
         peak_seconds += timed(lambda x=x, weight=weight: F.linear(x, weight), device, iterations)
         peak_flops += 2.0 * chunk * out * inner
     peak = peak_flops / peak_seconds
-    return {
+    result = {
         "tokens": tokens, "chunk": chunk, "tokens_per_s": tokens / seconds, "tflops": flops / seconds / 1e12,
         "peak_tflops": peak / 1e12, "of_peak": flops / seconds / peak,
+    }  # fmt: skip
+    if model.graphs is not None:
+        result["captured"] = pooled_prefill_speed(model, ids, iterations)
+    return result
+
+
+def pooled_prefill_speed(model, ids: torch.Tensor, iterations: int) -> dict:
+    """`ids` into one slot of a pool in the model's prefill chunks, as the continuous batcher
+    feeds a prompt: eager (a pool without captured steps) and captured, alternating runs."""
+    settings, chunk = model.graphs, model.prefill_chunk
+    tokens = ids.numel()
+    pools = {}
+    for path in ("eager", "captured"):
+        model.use_graphs(settings if path == "captured" else None)  # (a pool's steps follow its making)
+        pools[path] = model.new_pool(1, tokens)
+    model.use_graphs(settings)
+    slots = {path: pool.acquire(tokens) for path, pool in pools.items()}
+
+    def read(path: str) -> Callable[[], None]:
+        slot = slots[path]
+
+        def run() -> None:
+            for offset in range(0, tokens, chunk):
+                wanted = "last" if offset + chunk >= tokens else "none"
+                model.forward_batch([RequestRows(slot, ids[offset : offset + chunk], offset, wanted)])
+
+        return run
+
+    seconds = {path: timed(read(path), model.device, iterations) for path in slots}
+    graphs = pools["captured"].graphs
+    return {
+        "chunk": chunk, "eager_tokens_per_s": tokens / seconds["eager"],
+        "captured_tokens_per_s": tokens / seconds["captured"], "speedup": seconds["eager"] / seconds["captured"],
+        "chunk_steps": sum(n for bucket, n in graphs.steps_run.items() if bucket.chunk) if graphs else 0,
     }  # fmt: skip

@@ -55,6 +55,8 @@ def test_the_cpu_form_runs_every_stage_and_reports_each(tmp_path, capsys):
         assert plan["speedup"] >= 1.0 and (plan["gamma"] == 0) == (plan["speedup"] == 1.0)
         assert plan["gamma"] == 0 or plan["alpha"] > 0  # a draft never accepted never wins
     assert out["prefill"]["tokens"] == 256 and out["prefill"]["tokens_per_s"] > 0 and out["prefill"]["of_peak"] > 0
+    captured = out["prefill"]["captured"]  # the prompt as one chunk of 256 rows, through its bucket's step
+    assert captured["chunk_steps"] > 0 and captured["captured_tokens_per_s"] > 0 and captured["speedup"] > 0
     attention = out["attention"]
     assert not attention["failures"] and attention["split_vs_masked"] < 2e-2 and attention["flex_vs_matmul"] < 2e-2
     equality = out["equality"]
