@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pipeline.model.short_attention import short_attention, silu_mul_rows
+from pipeline.model.short_attention import long_attention, long_attention_applies, short_attention, silu_mul_rows
 
 # Longer query blocks (prefill chunks) go through PyTorch's fused attention; short
 # ones (decode, verify) through the grouped product that never repeats K/V heads.
@@ -149,6 +149,7 @@ def split_attention(
     scale: float,
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
+    use_kernel: bool | None = None,
 ) -> torch.Tensor:
     """fused_attention's long block in `dtype` (bf16; on a GPU, bf16 or fp16) without a mask:
     q [T, H, head_dim] at positions [start, start + T) over keys/values [kv_heads, start + T, head_dim].
@@ -159,11 +160,21 @@ def split_attention(
     repeated), the block's own keys in a causal one, and the two are merged by their
     log-sum-exps (0.5x the masked call's time at 4k + 4k). Returns [T, H * head_dim] in q's
     dtype, into `out` where given.
+
+    On a CPU with AVX512-BF16 and no AMX, bf16 blocks take our kernel instead (one causal call,
+    short_attention.long_attention: PyTorch's flash kernel runs bf16 at its fp32 speed there);
+    `use_kernel` forces the choice (None: short_attention.long_attention_applies).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[0]
     groups = num_heads // num_kv_heads
     heads_first = q.transpose(0, 1).to(dtype)  # [H, T, head_dim]
+    if use_kernel is None:
+        use_kernel = q.device.type == "cpu" and dtype == torch.bfloat16 and long_attention_applies(head_dim)
+    if use_kernel:
+        kv = (x.to(dtype) for x in (keys, values))
+        result = long_attention(heads_first, *kv, start, scale, out)
+        return result if out is not None else result.to(q.dtype)
     own_k, own_v = (x[None, :, start:].to(dtype).repeat_interleave(groups, 1) for x in (keys, values))
     if start == 0:
         attended = _flash(heads_first[None], own_k, own_v, True, scale)[0][0]

@@ -8,7 +8,9 @@ memory between them. The kernel reads each key and value once, computes the scor
 every query row of the head while the key is in cache, and fuses the softmax and the sum
 of values (flash decoding: chunks of keys in parallel, combined exactly).
 
-The same build carries the mode's RMS norm of fp32 rows (`csrc/row_norm.cpp`,
+The same build carries the attention of bf16 prompt chunks on CPUs with AVX512-BF16 and no
+AMX (`csrc/long_attention.cpp`, `long_attention_applies`): PyTorch's flash kernel runs bf16 at
+its fp32 speed there. And the mode's RMS norm of fp32 rows (`csrc/row_norm.cpp`,
 `rms_norm_rows`): a decode step norms one row 61 times, where PyTorch's dispatch costs
 more than the arithmetic. And the linears of decode and verify blocks (`csrc/half_linear.cpp`,
 `linear_kernel`): fp16 or bf16 weights, fp32 rows, one FMA chain per output; with fp16 weights
@@ -47,7 +49,8 @@ from pipeline.locks import LockFile
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / name for name in ("short_attention.cpp", "row_norm.cpp", "half_linear.cpp", "silu_mul.cpp"))
+KERNEL_FILES = ("short_attention.cpp", "row_norm.cpp", "half_linear.cpp", "silu_mul.cpp", "long_attention.cpp")
+SOURCES = tuple(CSRC / name for name in KERNEL_FILES)
 HEADERS = (CSRC / "vec_exp.h",)  # included by the sources: part of what a build is keyed by
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 AVX512_FLAGS = ("-mavx512f", "-mavx512vl")  # where the CPU has AVX-512: the 16-wide build
@@ -168,6 +171,50 @@ def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.dtype not in (torch.float32, torch.bfloat16):
         return _loaded().silu_mul_rows(gate_up.float()).to(gate_up.dtype)
     return _loaded().silu_mul_rows(gate_up)
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (PyTorch's flash kernel multiplies bf16 on them)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else "amx_tile" in _cpu_flags()
+
+
+@functools.cache
+def long_attention_available() -> bool:
+    """Whether the bf16 attention of prompt chunks runs here: the AVX-512 build, on a CPU with AVX512-BF16."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    has_bf16 = bool(probe()) if probe is not None else "avx512_bf16" in _cpu_flags()
+    return has_bf16 and load_kernel() is not None
+
+
+def long_attention_applies(head_dim: int) -> bool:
+    """Whether a bf16 prompt chunk's attention takes the kernel: head sizes of 64's multiples, on
+    a CPU with AVX512-BF16 and no AMX (with AMX, PyTorch's flash kernel runs bf16 on the tiles:
+    ~540 GFLOP/s on 2 cores of a Xeon, where this kernel's dot products cannot follow)."""
+    return _enabled and head_dim % 64 == 0 and not cpu_has_amx() and long_attention_available()
+
+
+def long_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float,
+                   out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Causal attention of a chunk's queries q [H, T, head_dim] (bf16, unscaled) at positions
+    [start, start + T) over keys/values [kv_heads, start + T, head_dim] (bf16) -> fp32
+    [T, H * head_dim], into `out` where it is a contiguous fp32 tensor of that shape."""
+    heads, rows, head_dim = q.shape
+    target = out if out is not None and out.dtype == torch.float32 and out.is_contiguous() else None
+    result = target if target is not None else torch.empty(rows, heads * head_dim)
+    _loaded().long_attention_bf16(q.contiguous(), keys.contiguous(), values.contiguous(), start, scale, result)
+    if out is not None and target is None:
+        return out.copy_(result)
+    return result
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return []
 
 
 def linear_kernel() -> ModuleType | None:

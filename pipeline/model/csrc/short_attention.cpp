@@ -411,6 +411,9 @@ bool half_linear_available();
 torch::Tensor half_linear_pack(const torch::Tensor& weight, bool bf16);
 torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features, const c10::optional<torch::Tensor>& out);
+// long_attention.cpp
+void long_attention_bf16(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                         int64_t start, double scale, torch::Tensor& out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("short_attention", &short_attention);
@@ -420,4 +423,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("half_linear_pack", &half_linear_pack, pybind11::arg("weight"), pybind11::arg("bf16"));
   m.def("half_linear", &half_linear, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"),
         pybind11::arg("out_features"), pybind11::arg("out"));
+  m.def("long_attention_bf16", &long_attention_bf16);
 }
