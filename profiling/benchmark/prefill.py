@@ -1,7 +1,9 @@
 """Prefill speed: each compute mode reads the same prompts in turn, the order reversed on every
 other repeat; tokens/s side by side (medians), and how close each comes to what this CPU's
 matrix products reach at the model's own shapes: the bf16 and fp32 peaks, measured in the same
-run on the linears of a prefill chunk. The job (jobs/benchmark.py --prefill) prints the table."""
+run on the linears of a prefill chunk; and one layer's attention of each prompt's last chunk in
+bf16, PyTorch's flash kernel beside ours where this CPU takes it (short_attention.long_attention).
+The job (jobs/benchmark.py --prefill) prints the tables."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pipeline.model import short_attention
+from pipeline.model.layers import split_attention
 from pipeline.model.spec import ModelSpec
 from profiling.benchmark.runs import batch_prompts, build_engine, run_order
 from profiling.timer import benchmark, timer_for
@@ -71,6 +75,28 @@ def matmul_peak(spec: ModelSpec, rows: int, dtype: torch.dtype, repeats: int = 5
     return flops / seconds / 1e9
 
 
+def attention_speed(spec: ModelSpec, tokens: int, chunk: int, repeats: int = 3) -> dict:
+    """One layer's bf16 attention of a `tokens`-token prompt's last chunk of `chunk` rows
+    (layers.split_attention): ms and GFLOP/s through PyTorch's flash kernel and, where this CPU
+    takes it, through ours ("kernel": None elsewhere)."""
+    generator = torch.Generator().manual_seed(0)
+    start = tokens - chunk
+    q = torch.randn(chunk, spec.num_heads, spec.head_dim, generator=generator)
+    keys, values = (torch.randn(spec.num_kv_heads, tokens, spec.head_dim, generator=generator) for _ in range(2))
+    flops = 4 * spec.num_heads * spec.head_dim * chunk * (start + (chunk + 1) / 2)
+    routes = {"flash": False}
+    if short_attention.long_attention_available() and spec.head_dim % 64 == 0:
+        routes["kernel"] = True
+    result: dict = {"start": start, "rows": chunk, "kernel": None}
+    for name, kernel in routes.items():
+        run = lambda kernel=kernel: split_attention(
+            q, keys, values, start, spec.head_dim**-0.5, torch.bfloat16, use_kernel=kernel
+        )
+        seconds = benchmark(run, timer_for("cpu"), repeats).median
+        result[name] = {"ms": 1e3 * seconds, "gflops": flops / seconds / 1e9}
+    return result
+
+
 def prefill_speeds(settings: PrefillSettings, documents: dict[str, str]) -> tuple[list[PrefillRow], dict]:
     """One row per (document, length, mode), and what the run measured beside them: the matmul
     peaks per chunk size and each mode's weight bytes."""
@@ -79,6 +105,7 @@ def prefill_speeds(settings: PrefillSettings, documents: dict[str, str]) -> tupl
     first = engines[reference]
     spec, tokenizer = first.model.spec, first.tokenizer
     peaks: dict[int, dict[str, float]] = {}
+    attention: dict[str, dict] = {}
     rows: list[PrefillRow] = []
     for doc_id, text in documents.items():
         for length in settings.context_lengths:
@@ -92,6 +119,8 @@ def prefill_speeds(settings: PrefillSettings, documents: dict[str, str]) -> tupl
                 logger.info(
                     "matmul peaks at %d rows: %s GFLOP/s", chunk, {k: round(v) for k, v in peaks[chunk].items()}
                 )
+            if str(prompt.numel()) not in attention:
+                attention[str(prompt.numel())] = attention_speed(spec, prompt.numel(), chunk)
             times = _alternating(engines, prompt, settings.repeats)
             flops = prompt_flops(spec, prompt.numel())
             for mode in settings.modes:
@@ -113,6 +142,7 @@ def prefill_speeds(settings: PrefillSettings, documents: dict[str, str]) -> tupl
                 logger.info("%s at %d tokens, %s: %.0f tokens/s", doc_id, prompt.numel(), mode, rows[-1].tokens_per_s)
     measured = {
         "matmul_peak_gflops": {str(chunk): peak for chunk, peak in peaks.items()},
+        "attention": attention,
         "weight_bytes": {mode: weight_bytes(engine.model) for mode, engine in engines.items()},
     }
     return rows, measured
@@ -158,6 +188,16 @@ def write_prefill_report(rows: list[PrefillRow], measured: dict, settings: Prefi
     lines += ["", "| chunk rows | bf16 matmul peak GFLOP/s | fp32 GFLOP/s |", "|---:|---:|---:|"]
     for chunk, peak in measured["matmul_peak_gflops"].items():
         lines.append(f"| {chunk} | {peak['bf16']:.0f} | {peak['fp32']:.0f} |")
+    lines += [
+        "",
+        "| prompt tokens | last chunk: start, rows | one layer's bf16 attention, flash ms | GFLOP/s | ours ms | GFLOP/s |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for tokens, a in measured["attention"].items():
+        ours = f"{a['kernel']['ms']:.1f} | {a['kernel']['gflops']:.0f}" if a["kernel"] else "— | —"
+        lines.append(
+            f"| {tokens} | {a['start']}, {a['rows']} | {a['flash']['ms']:.1f} | {a['flash']['gflops']:.0f} | {ours} |"
+        )
     lines += ["", "| mode | weights of long blocks MB | of short blocks MB |", "|---|---:|---:|"]
     for mode, sizes in measured["weight_bytes"].items():
         lines.append(f"| {mode} | {sizes['long_blocks'] / 2**20:.0f} | {sizes['short_blocks'] / 2**20:.0f} |")

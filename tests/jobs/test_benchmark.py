@@ -213,7 +213,8 @@ def test_prompt_flops_count_every_layers_products_and_causal_attention():
 @pytest.mark.slow
 def test_prefill_benchmark_times_modes_side_by_side(tmp_path, capsys):
     """--prefill: every mode reads the same prompts in turn; tokens/s, the ratio to the first mode,
-    the fractions of the matmul peaks measured in the same run, and the weights each mode holds."""
+    the fractions of the matmul peaks measured in the same run, one layer's attention of each
+    prompt's last chunk (flash, and ours where the CPU takes it), and the weights each mode holds."""
     benchmark = load_job("benchmark.py", "benchmark_script")
     code = benchmark.main(
         [
@@ -229,6 +230,11 @@ def test_prefill_benchmark_times_modes_side_by_side(tmp_path, capsys):
         assert r["tokens_per_s"] > 0 and 0 < r["of_bf16_peak"] and r["gflops"] > 0
         assert r["vs_reference"] == pytest.approx(1.0) if mode == "fp16w" else r["vs_reference"] > 0
     assert len(out["matmul_peak_gflops"]) == 2 and all(p["bf16"] > 0 for p in out["matmul_peak_gflops"].values())
+    from pipeline.model.short_attention import long_attention_available
+
+    assert sorted(int(n) // 100 for n in out["attention"]) == [1, 3]  # each prompt's last chunk, one layer
+    for attention in out["attention"].values():
+        assert attention["flash"]["ms"] > 0 and (attention["kernel"] is not None) == long_attention_available()
     held = out["weight_bytes"]
     # The long blocks' copy: fp32 in fp16w, bf16 in fp16w-bf16 (half); the packed fp16 ones alike.
     assert held["fp16w"]["long_blocks"] == 2 * held["fp16w-bf16"]["long_blocks"]
