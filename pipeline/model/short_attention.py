@@ -192,7 +192,8 @@ def long_attention_available() -> bool:
 def long_attention_applies(head_dim: int) -> bool:
     """Whether a bf16 prompt chunk's attention takes the kernel: head sizes of 64's multiples, on
     a CPU with AVX512-BF16 and no AMX (with AMX, PyTorch's flash kernel runs bf16 on the tiles:
-    ~540 GFLOP/s on 2 cores of a Xeon, where this kernel's dot products cannot follow)."""
+    ~540 GFLOP/s on 2 cores of a Xeon, beyond the ~350 this kernel reached on 2 cores of an
+    EPYC; it has not been timed on an AMX CPU)."""
     return _enabled and head_dim % 64 == 0 and not cpu_has_amx() and long_attention_available()
 
 
