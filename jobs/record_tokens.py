@@ -16,6 +16,14 @@ Record both on one machine: prefill runs PyTorch's kernels, whose bits differ be
 at that token (a difference at a gap under 1e-4 is a near-tie; above it, a bug). It exits 1
 when an answer differs above the tie gap or a timing-free statistic differs. Two records of
 two compute modes (`--dtype`) compare too: how many tokens their answers share, on average.
+
+`--forced REFERENCE` measures how far a compute mode moves the model's numbers, which ROUGE
+over a few references cannot: the reference mode's greedy answers (plain decoding, each
+document alone) are fed back token by token through both modes, one decode step per token,
+and at every position it counts whether this mode's next-token choice is the reference's,
+and the KL divergence of its distribution from the reference's:
+
+    python jobs/record_tokens.py --forced fp32 --dtype fp16w-bf16 --lengths 4096 --max-new-tokens 128
 """
 
 from __future__ import annotations
@@ -132,6 +140,54 @@ def compare(before: dict, after: dict, args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def forced_logits(model, prompt: list[int], answer: list[int]) -> torch.Tensor:
+    """The logits [len(answer), V] before each answer token, the answer fed back token by
+    token: the prompt's prefill, then one decode step per token (as greedy decoding computes them)."""
+    cache = model.new_cache(len(prompt) + len(answer))
+    with torch.inference_mode():
+        rows = [model.prefill(cache, torch.tensor(prompt, device=model.device))]
+        for i, token in enumerate(answer[:-1]):
+            ids = torch.tensor([token], device=model.device)
+            rows.append(model.forward(cache, ids, len(prompt) + i, logits="last").logits[0])
+            cache.commit(len(prompt) + i + 1)
+    return torch.stack(rows).float().cpu()
+
+
+def forced_agreement(reference: torch.Tensor, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Positions whose argmax is the reference's, and KL(reference || logits) at each [n]."""
+    ref, own = reference.log_softmax(-1), logits.log_softmax(-1)
+    kl = (ref.exp() * (ref - own)).sum(-1).clamp_min(0.0)
+    return int((reference.argmax(-1) == logits.argmax(-1)).sum()), kl
+
+
+def forced(args: argparse.Namespace) -> int:
+    """--forced: the reference mode's greedy answers through both modes (module doc)."""
+    from pipeline.engine import Engine, EngineConfig, StrategyConfig
+    from pipeline.summarization.prompts import build_prompt
+
+    engines = {dtype: Engine(EngineConfig(model=args.model, dtype=dtype)) for dtype in (args.forced, args.dtype)}
+    reference, other = engines[args.forced], engines[args.dtype]
+    docs = [json.loads(line) for line in DOCUMENTS.read_text().splitlines() if line.strip()][: args.documents]
+    agree = positions = 0
+    divergences = []
+    for length in args.lengths:
+        for doc in docs:
+            prompt = build_prompt(reference.tokenizer, doc["text"], max_prompt_tokens=length).token_ids.tolist()
+            answer = reference.generate(torch.tensor(prompt), StrategyConfig("ar"), args.max_new_tokens).token_ids
+            if not answer:
+                continue
+            same, kl = forced_agreement(forced_logits(reference.model, prompt, answer),
+                                        forced_logits(other.model, prompt, answer))  # fmt: skip
+            agree, positions = agree + same, positions + len(answer)
+            divergences.append(kl)
+            logger.info("%s at %d prompt tokens: %d of %d choices agree", doc["id"], len(prompt), same, len(answer))
+    kl = torch.cat(divergences) if divergences else torch.zeros(1)
+    print(f"{other.model.mode.value} against {reference.model.mode.value}, {len(divergences)} answers teacher-forced:")
+    print(f"next-token choice agrees at {agree} of {positions} positions")
+    print(f"KL from the reference: mean {kl.mean():.2e}, median {kl.median():.2e}, p99 {kl.quantile(0.99):.2e}")
+    return 0
+
+
 class _Gaps:
     """Top-2 logit gaps of plain decoding, on the model of the code that runs the comparison."""
 
@@ -155,6 +211,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, help="where to write the record (keep it out of the repository)")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"), help="compare two records")
+    parser.add_argument("--forced", metavar="REFERENCE", help="teacher-force REFERENCE mode's answers through --dtype")
     parser.add_argument("--strategies", type=lambda v: v.split(","), default=list(STRATEGIES))
     parser.add_argument("--lengths", type=lambda v: [int(x) for x in v.split(",")], default=[1024, 4096],
                         help="prompt tokens, each document cut to fit (default 1024,4096)")  # fmt: skip
@@ -164,8 +221,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", help="a checkpoint folder (default: the embedded model)")
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args(argv)
-    if (args.output is None) == (args.compare is None):
-        parser.error("give --output to record, or --compare BEFORE AFTER")
+    if sum(x is not None for x in (args.output, args.compare, args.forced)) != 1:
+        parser.error("give --output to record, --compare BEFORE AFTER, or --forced REFERENCE")
     if args.batch < 0:
         parser.error(f"--batch must be >= 0, got {args.batch}")
     unknown = sorted(set(args.strategies) - set(STRATEGIES))
@@ -178,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         before, after = (json.loads(path.read_text()) for path in args.compare)
         return compare(before, after, args)
+    if args.forced:
+        return forced(args)
     args.output.write_text(json.dumps(record(args)))
     print(f"Recorded to {args.output}")
     return 0

@@ -175,8 +175,7 @@ def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
 
 def cpu_has_amx() -> bool:
     """Whether this CPU has AMX tiles (PyTorch's flash kernel multiplies bf16 on them)."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe()) if probe is not None else "amx_tile" in _cpu_flags()
+    return _cpu_has("_is_amx_tile_supported", "amx_tile")
 
 
 @functools.cache
@@ -184,9 +183,7 @@ def long_attention_available() -> bool:
     """Whether the bf16 attention of prompt chunks runs here: the AVX-512 build, on a CPU with AVX512-BF16."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return False
-    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    has_bf16 = bool(probe()) if probe is not None else "avx512_bf16" in _cpu_flags()
-    return has_bf16 and load_kernel() is not None
+    return _cpu_has("_is_avx512_bf16_supported", "avx512_bf16") and load_kernel() is not None
 
 
 def long_attention_applies(head_dim: int) -> bool:
@@ -211,11 +208,15 @@ def long_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, st
     return result
 
 
-def _cpu_flags() -> list[str]:
+def _cpu_has(probe: str, flag: str) -> bool:
+    """PyTorch's probe of the CPU (private: some versions lack it), else the flag in /proc/cpuinfo."""
+    check = getattr(torch.cpu, probe, None)
+    if check is not None:
+        return bool(check())
     try:
-        return Path("/proc/cpuinfo").read_text().split()
+        return flag in Path("/proc/cpuinfo").read_text().split()
     except OSError:
-        return []
+        return False
 
 
 def linear_kernel() -> ModuleType | None:

@@ -37,3 +37,24 @@ def test_a_record_compares_equal_to_itself_and_names_a_changed_answer(tmp_path, 
     args = ["--strategies", "ar", "--lengths", "96", "--documents", "2", "--max-new-tokens", "6", "--batch", "0"]
     assert job.main([*args, "--output", str(alone), *common]) == 0
     assert sorted(k.split("/")[2] for k in json.loads(alone.read_text())["runs"]) == ["alone", "alone"]
+
+
+def test_teacher_forcing_measures_how_far_a_mode_moves_the_models_choices(tmp_path, capsys):
+    """--forced: a mode against itself agrees everywhere at zero divergence; bf16 against fp32
+    agrees at most positions, at a small positive divergence."""
+    import torch
+
+    model = make_tiny_chat_checkpoint(tmp_path / "model", num_hidden_layers=3)
+    job = load_job("record_tokens.py", "record_tokens_job")
+    args = ["--lengths", "96", "--documents", "2", "--max-new-tokens", "10", "--model", str(model)]
+    assert job.main([*args, "--forced", "fp32", "--dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    agree, positions = (int(n) for n in out.split("agrees at ")[1].split(" positions")[0].split(" of "))
+    assert agree == positions > 0 and "mean 0.00e+00" in out
+    assert job.main([*args, "--forced", "fp32", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    agree, positions = (int(n) for n in out.split("agrees at ")[1].split(" positions")[0].split(" of "))
+    assert positions // 2 <= agree <= positions
+    reference = torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]])
+    same, kl = job.forced_agreement(reference, torch.tensor([[2.0, 1.0, 0.0], [3.0, 0.0, 1.0]]))
+    assert same == 1 and kl[0] == 0 and kl[1] > 0
