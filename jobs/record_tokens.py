@@ -48,6 +48,11 @@ COMPARED_STATS = ("prompt_tokens", "output_tokens", "steps", "drafted_tokens", "
 logger = logging.getLogger("record_tokens")
 
 
+def bundled_documents(count: int) -> list[dict]:
+    """The first `count` bundled documents."""
+    return [json.loads(line) for line in DOCUMENTS.read_text().splitlines() if line.strip()][:count]
+
+
 def fixed_latency(num_layers: int):
     """A latency model that repeats on every machine: verification nearly free, so the
     searching strategies draft, and their drafts are really checked."""
@@ -65,7 +70,7 @@ def record(args: argparse.Namespace) -> dict:
 
     config = checkpoint.load_config(checkpoint.resolve_checkpoint(args.model))
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, latency=fixed_latency(config.num_hidden_layers)))
-    docs = [json.loads(line) for line in DOCUMENTS.read_text().splitlines() if line.strip()][: args.documents]
+    docs = bundled_documents(args.documents)
     out = {"meta": _meta(engine), "prompts": {}, "runs": {}}
     for length in args.lengths:
         prompts = [build_prompt(engine.tokenizer, d["text"], max_prompt_tokens=length).token_ids for d in docs]
@@ -167,7 +172,7 @@ def forced(args: argparse.Namespace) -> int:
 
     engines = {dtype: Engine(EngineConfig(model=args.model, dtype=dtype)) for dtype in (args.forced, args.dtype)}
     reference, other = engines[args.forced], engines[args.dtype]
-    docs = [json.loads(line) for line in DOCUMENTS.read_text().splitlines() if line.strip()][: args.documents]
+    docs = bundled_documents(args.documents)
     agree = positions = 0
     divergences = []
     for length in args.lengths:
