@@ -44,7 +44,7 @@ import logging
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -155,8 +155,8 @@ def projections(costs: list[dict], acceptance: dict, num_layers: int, verify_row
     times predict the best speed-up over `ar` (KnapSpec's TPT over γ; AR where none wins)."""
     rows = []
     for cost in costs:
-        if "skipped" in cost:
-            continue
+        if "draft_over_ar" not in cost or any(f"verify_{k}_over_1" not in cost for k in verify_rows):
+            continue  # (a batch and context that failed or ran out of time before its drafts)
         t_verify = {k: cost[f"verify_{k}_over_1"] for k in verify_rows}  # in units of the ar step
         best = None
         for entry in acceptance["rows"]:
@@ -175,14 +175,34 @@ def projections(costs: list[dict], acceptance: dict, num_layers: int, verify_row
     return rows
 
 
-def run_stage(name: str, stage: Callable[[], object], results: dict, report: Callable[[str], None]) -> None:
-    """One stage: its result, or its error (the others still run); the report rewritten after it."""
+def growing(rows: Iterator[dict]) -> Iterator[list[dict]]:
+    """The rows so far, after each new one."""
+    so_far: list[dict] = []
+    for row in rows:
+        so_far.append(row)
+        yield so_far
+
+
+def run_stage(name: str, stage: Callable[[], object], results: dict, report: Callable[..., None]) -> None:
+    """One stage: its result, or its error (the others still run); the report rewritten after
+    it. A stage that yields its result as it grows has the files rewritten after each yield, so
+    a run killed mid-stage keeps what it measured; where it then fails, what it had yielded
+    stays beside the error (`partial`)."""
     started = time.perf_counter()
     try:
-        results[name] = stage()
+        result = stage()
+        if isinstance(result, Iterator):
+            for so_far in result:
+                results[name] = so_far
+                report(name, printed=False)
+        else:
+            results[name] = result
     except Exception as error:  # noqa: BLE001 — one stage's failure is reported, and the check goes on
         logger.error("stage %s failed:\n%s", name, traceback.format_exc())
-        results[name] = {"error": f"{type(error).__name__}: {error}"}
+        failure = {"error": f"{type(error).__name__}: {error}"}
+        if name in results:
+            failure["partial"] = results[name]
+        results[name] = failure
     logger.info("stage %s: %.0f s", name, time.perf_counter() - started)
     report(name)
 
@@ -205,12 +225,17 @@ def run(args: argparse.Namespace) -> int:
               "acceptance": acceptance, "acceptance_path": str(args.acceptance)}  # fmt: skip
     args.output.mkdir(parents=True, exist_ok=True)
 
-    def report(stage: str) -> None:
-        """The files rewritten, and the stage's section printed: a run cut short keeps what it had."""
-        (args.output / "gpu_check.md").write_text(format_report(header, results) + "\n")
+    def report(stage: str, printed: bool = True) -> None:
+        """The files rewritten (each whole, then renamed over the last: a kill mid-write leaves the
+        previous), and with `printed` the stage's section printed: a run cut short keeps what it had."""
         payload = header | {"acceptance": str(args.acceptance), "seconds": time.perf_counter() - started} | results
-        (args.output / "gpu_check.json").write_text(json.dumps(payload, indent=2, default=str))
-        print("\n" + format_report(header, results, only=stage), flush=True)
+        for name, text in (("gpu_check.md", format_report(header, results) + "\n"),
+                           ("gpu_check.json", json.dumps(payload, indent=2, default=str))):  # fmt: skip
+            partial = args.output / f".{name}.partial"
+            partial.write_text(text)
+            partial.replace(args.output / name)
+        if printed:
+            print("\n" + format_report(header, results, only=stage), flush=True)
 
     config = llama_config(args.shape)
     model = None
@@ -226,7 +251,9 @@ def run(args: argparse.Namespace) -> int:
         deadline = started + STEPS_SHARE * args.time_budget
         run_stage(
             "steps",
-            lambda: step_costs(model, batch_sizes, contexts, verify_rows, args.iterations, skips, variant, deadline),
+            lambda: growing(
+                step_costs(model, batch_sizes, contexts, verify_rows, args.iterations, skips, variant, deadline)
+            ),
             results,
             report,
         )

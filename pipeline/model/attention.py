@@ -23,7 +23,6 @@ import torch
 
 from pipeline.model.flex import SlotBlocks, flex_slot_attention
 from pipeline.model.kv_cache import KVCache
-from pipeline.model.kv_pool import KVPool
 from pipeline.model.layers import (
     FUSED_ATTENTION_MIN_TOKENS,
     aligned_keys,
@@ -115,13 +114,16 @@ def _takes_fused(num_tokens: int, kernel: bool) -> bool:
 @dataclass(frozen=True)
 class SlotRows:
     """A captured step's rows: `requests` requests of `rows_each` rows, row r's keys and values
-    into slot `row_slots[r]` at `positions[r]` (a padding row's into the pool's scratch
-    position), request i attending over the first `width` keys of slot `request_slots[i]`
-    (None: of slot i, read in place), `hidden` [R, 1, 1, T, width] where it must not look
-    (`seen`, the same for the CPU kernel; `flex`, for FlexAttention). Device tensors in buffers
-    the step's graphs were captured over: a new step rewrites them, never replaces them."""
+    into slot `row_slots[r]` at `positions[r]` of the pool's `keys` and `values` (a padding
+    row's into its scratch position), request i attending over the first `width` keys of slot
+    `request_slots[i]` (None: of slot i, read in place), `hidden` [R, 1, 1, T, width] where it
+    must not look (`seen`, the same for the CPU kernel; `flex`, for FlexAttention). Device
+    tensors in buffers the step's graphs were captured over: a new step rewrites them, never
+    replaces them. The pool's tensors, not the pool: the pool owns its captured steps
+    (KVPool.graphs), and a step that held the pool would keep it alive in a cycle."""
 
-    pool: KVPool
+    keys: torch.Tensor  # the pool's [layers, slots, kv_heads, positions, head_dim]
+    values: torch.Tensor
     requests: int
     rows_each: int
     width: int
@@ -211,13 +213,12 @@ class Attention:
         own key blocks through FlexAttention, or its first `width` keys, masked, through the
         matmuls (in place, or gathered first). The same shapes whatever the requests' lengths.
         The fused CPU kernel takes short blocks only, as in an eager forward (`_span`)."""
-        pool = rows.pool
-        pool.keys[layer][rows.row_slots, :, rows.positions] = k
-        pool.values[layer][rows.row_slots, :, rows.positions] = v
+        rows.keys[layer][rows.row_slots, :, rows.positions] = k
+        rows.values[layer][rows.row_slots, :, rows.positions] = v
         if rows.flex is not None and rows.request_slots is None:
-            keys, values = pool.keys[layer][: rows.requests], pool.values[layer][: rows.requests]
+            keys, values = rows.keys[layer][: rows.requests], rows.values[layer][: rows.requests]
             return flex_slot_attention(q, keys, values, rows.flex, self.scale)
-        keys, values = pool.keys[layer][:, :, : rows.width], pool.values[layer][:, :, : rows.width]
+        keys, values = rows.keys[layer][:, :, : rows.width], rows.values[layer][:, :, : rows.width]
         if rows.request_slots is None:
             keys, values = keys[: rows.requests], values[: rows.requests]
         else:

@@ -13,13 +13,17 @@ template runs it (the tests compare it there with the matmul route).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
 BLOCK = 128  # keys per block of the mask (FlexAttention's default)
-# On a CPU each bucket's shapes compile on their own (flex_attention's code object shares one
-# recompile budget in a process, 8 by default): room for a CPU's tests and rehearsals.
-CPU_RECOMPILE_LIMIT = 64
+# Compiled versions flex_attention's code object may hold in a process (Dynamo's default is 8,
+# and with fullgraph=True the ninth raises). A version serves one batch size (static, below)
+# and one side of Dynamo's specializations (one row or more, a chunk or a decode step); the GPU
+# check's whole sequence of calls makes 20 of them on a GPU's settings, a CPU's tests and
+# rehearsals more (a compile per bucket there): tests/model/test_flex_compiles.py counts them.
+RECOMPILE_LIMIT = 64
 
 
 def flex_available() -> bool:
@@ -30,13 +34,32 @@ def flex_available() -> bool:
     return True
 
 
+def compile_options(device_type: str) -> dict:
+    """FlexAttention's compile settings on `device_type`, in one place for every device. On a
+    GPU the rows and keys become dynamic at their first change (one more compile serves every
+    bucket after); the batch stays static (`static_batch`). Inductor's CPU template fails to
+    compile dynamic shapes: a compile per bucket there."""
+    return {"fullgraph": True, "dynamic": None if device_type == "cuda" else False}
+
+
 @functools.cache
-def compiled_flex(device_type: str):
+def compiled_flex(device_type: str, backend: str | Callable = "inductor"):
+    """flex_attention compiled with `device_type`'s settings; `backend` other than Inductor only
+    where a test replays a device's calls without its compiler (tests/model/test_flex_compiles.py)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    # On a GPU the shapes become dynamic at their first change (one more compile serves every
-    # bucket after); Inductor's CPU template fails to compile dynamic shapes: a compile per bucket.
-    return torch.compile(flex_attention, fullgraph=True, dynamic=None if device_type == "cuda" else False)
+    return torch.compile(flex_attention, backend=backend, **compile_options(device_type))
+
+
+def static_batch(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: SlotBlocks) -> None:
+    """Keep the batch dimension of every tensor FlexAttention reads static. Inductor takes its
+    decode kernel (the keys split across thread blocks, each KV head read once for its query
+    group) only for a static batch; a batch made dynamic by automatic dynamic shapes (batch 8
+    after batch 1) sends one-row steps through the prefill kernel, 128-row query tiles for 1-9
+    rows. A compile per batch size of the pool's ladder is the price: a handful."""
+    mask = [t for t in blocks.mask.as_tuple() if isinstance(t, torch.Tensor)]
+    for tensor in (queries, keys, values, blocks.seen, *mask):  # (`seen`: the mask function's)
+        torch._dynamo.mark_static(tensor, 0)
 
 
 class SlotBlocks:
@@ -82,10 +105,8 @@ def flex_slot_attention(
     num_requests = keys.shape[0]
     rows, num_heads, head_dim = q.shape
     queries = q.view(num_requests, rows // num_requests, num_heads, head_dim).transpose(1, 2)
+    static_batch(queries, keys, values, blocks)
     flex = compiled_flex(q.device.type)
-    if q.device.type == "cuda":
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
         out = flex(queries, keys, values, block_mask=blocks.mask, scale=scale, enable_gqa=True)
-    else:
-        with torch._dynamo.config.patch(recompile_limit=CPU_RECOMPILE_LIMIT):
-            out = flex(queries, keys, values, block_mask=blocks.mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).reshape(rows, num_heads * head_dim)

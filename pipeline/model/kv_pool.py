@@ -67,7 +67,7 @@ class KVPool:
         self.keys = torch.zeros(self.shape, dtype=dtype, device=device)
         self.values = torch.zeros(self.shape, dtype=dtype, device=device)
         self._free = list(range(num_slots))  # a heap: low slots first, so live ones stay together
-        self.live: dict[int, PooledCache] = {}
+        self.live: set[int] = set()  # slots handed out (numbers: a cache refers to its pool, not back)
         self.graphs = None  # a model's captured steps over this pool (graphs.StepGraphs), from its first one
 
     @property
@@ -94,7 +94,7 @@ class KVPool:
             raise ConfigError(f"a cache of {capacity} positions does not fit the pool's slots of {self.slot_capacity}")
         slot = heapq.heappop(self._free)
         cache = PooledCache(self, slot, capacity)
-        self.live[slot] = cache
+        self.live.add(slot)
         return cache
 
     def adopt(self, cache: KVCache) -> PooledCache:
@@ -110,7 +110,8 @@ class KVPool:
         slots up to its longest request and masks the rest, and a masked NaN value still
         poisons the product (0 × NaN), so a slot a failed request may have left NaN in is
         cleared before its next request."""
-        if self.live.pop(cache.slot, None) is not None:
+        if cache.slot in self.live:
+            self.live.remove(cache.slot)
             if scrub:
                 self.keys[:, cache.slot].zero_()
                 self.values[:, cache.slot].zero_()

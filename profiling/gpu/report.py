@@ -12,10 +12,16 @@ SPEEDUP_TARGET = 1.2
 TARGET_CONTEXT = 4096
 
 
-def _section(title: str, result, lines: list[str]) -> list[str]:
+def _section(title: str, result, build) -> list[str]:
+    """A stage's section; a failed stage's error, and what it measured before it failed."""
     if isinstance(result, dict) and "error" in result:
-        return [f"## {title}", "", f"FAILED: {result['error']}", ""]
-    return [f"## {title}", "", *lines, ""]
+        partial = result.get("partial")
+        return [f"## {title}", "", f"FAILED: {result['error']}", "", *(build(partial) if partial else []), ""]
+    return [f"## {title}", "", *build(result), ""]
+
+
+def _cell(row: dict, key: str) -> str:
+    return f"{row[key]:.2f}" if key in row else "—"
 
 
 def steps_lines(costs: list[dict], verify_rows: list[int]) -> list[str]:
@@ -25,17 +31,27 @@ def steps_lines(costs: list[dict], verify_rows: list[int]) -> list[str]:
         + " | ".join(f"verify {k} / 1" for k in verify_rows) + " |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(verify_rows),
     ]  # fmt: skip
+    notes = []
     for row in costs:
         if "skipped" in row:
             lines.append(f"| {row['batch']} | {row['context']} | skipped: {row['skipped']} |")
+            continue
+        if "graphs_ms" not in row:
+            lines.append(f"| {row['batch']} | {row['context']} | FAILED: {row.get('error', '?')} |")
             continue
         lines.append(
             f"| {row['batch']} | {row['context']} | {row['eager_ms']:.2f} | {row['graphs_ms']:.2f} "
             f"| {row['floor_ms']:.2f} | {row['eager_floor_over_step']:.2f} | {row['graphs_floor_over_step']:.2f} "
             f"| {row['eager_kernels']} | {row['graphs_kernels']} | {row['eager_launches']} | {row['graphs_launches']} "
             f"| {row['eager_host_ms']:.2f} | {row['graphs_host_ms']:.2f} | "
-            + " | ".join(f"{row[f'verify_{k}_over_1']:.2f}" for k in verify_rows) + " |"
+            + " | ".join(_cell(row, f"verify_{k}_over_1") for k in verify_rows) + " |"
         )  # fmt: skip
+        if "error" in row:
+            notes.append(f"- batch {row['batch']}, context {row['context']}: FAILED after its steps: {row['error']}")
+        if "left" in row:
+            notes.append(f"- batch {row['batch']}, context {row['context']}: {', '.join(row['left'])} left out of "
+                         "the check's time")  # fmt: skip
+    lines += ["", *notes] if notes else []
     lines += ["", "Capturing the steps above: graphs, host seconds, memory they hold (GPU)."]
     for row in costs:
         if "captures" in row:
@@ -53,7 +69,7 @@ def steps_lines(costs: list[dict], verify_rows: list[int]) -> list[str]:
         "|---:|---:|---|---:|---:|---:|---|",
     ]
     for row in costs:
-        if "skipped" in row:
+        if "draft_over_ar" not in row:
             continue
         for key, ratio in sorted(row["draft_over_ar"].items(), key=lambda kv: row["draft_bytes_skipped"][kv[0]]):
             share = row["draft_bytes_skipped"][key]
@@ -135,6 +151,8 @@ def prefill_lines(result: dict) -> list[str]:
 def captured_prefill_lines(captured: dict | None) -> list[str]:
     if captured is None:
         return []
+    if "error" in captured:
+        return ["", f"As the batcher feeds a prompt, captured: FAILED: {captured['error']}"]
     return [
         "",
         (
@@ -182,13 +200,15 @@ def target_lines(results: dict) -> list[str]:
     costs = results.get("steps")
     if isinstance(costs, list):
         for row in costs:
-            if row["context"] != TARGET_CONTEXT or "skipped" in row:
+            if row["context"] != TARGET_CONTEXT or "graphs_ms" not in row:
                 continue
             target = FLOOR_TARGETS.get(row["batch"])
             if target is not None:
                 got = row["graphs_floor_over_step"]
                 lines.append(f"- batch {row['batch']}: the captured step at {got:.2f} of the floor (target ≥ {target}): "
                              f"{'met' if got >= target else 'not met'}")  # fmt: skip
+            if "draft_over_ar" not in row:
+                continue
             misses = [k for k, r in row["draft_over_ar"].items() if r > 1 - row["draft_bytes_skipped"][k] + DRAFT_SLACK]
             lines.append(f"- batch {row['batch']}: drafts within (1 − s) + {DRAFT_SLACK}: "
                          f"{len(row['draft_over_ar']) - len(misses)} of {len(row['draft_over_ar'])}")  # fmt: skip
@@ -219,8 +239,7 @@ def format_report(header: dict, results: dict, only: str | None = None) -> str:
         lines = []
     for stage, (title, build) in builders.items():
         if stage in results and only in (None, stage):
-            result = results[stage]
-            lines += _section(title, result, [] if isinstance(result, dict) and "error" in result else build(result))
+            lines += _section(title, results[stage], build)
     if ("steps" in results or "knapspec" in results) and only in (None, "steps", "knapspec"):
         lines += ["## Targets", "", *target_lines(results), ""]
     return "\n".join(lines).rstrip()

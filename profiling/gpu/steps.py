@@ -10,18 +10,20 @@ items' weights and, for attention, their layers' KV.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import statistics
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from pipeline.model import items
-from pipeline.model.fused import EAGER, fused_ops
+from pipeline.model.fused import EAGER, ItemOps, fused_ops
 from pipeline.model.graphs import Granularity, GraphSettings, StepGraphs
 from pipeline.model.packing import RequestRows, check_logit_choices
 from profiling.benchmark.prefill import linear_shapes, prompt_flops
@@ -135,109 +137,164 @@ VARIANTS = {
 }
 
 
+@contextlib.contextmanager
+def item_ops(model, ops: ItemOps) -> Iterator[None]:
+    """`model`'s items run their element-wise work through `ops` inside (fused.py)."""
+    saved, model.ops = model.ops, ops
+    try:
+        yield
+    finally:
+        model.ops = saved
+
+
 def variant_costs(model, pool, blocks: list[RequestRows], draft: frozenset[int], iterations: int) -> dict:
     """The `ar` step and one draft's step through each of VARIANTS' captured steps over `pool`."""
     settings = model.graphs or GraphSettings(capture="eager")
     wanted = check_logit_choices(blocks, "all")
     costs = {}
-    ops = model.ops
     for name, (granularity, attention, fuse) in VARIANTS.items():
         graphs = StepGraphs(model, pool, dataclasses.replace(settings, granularity=granularity, attention=attention))
-        model.ops = fused_ops() if fuse else EAGER  # (what its pieces capture)
-        try:
+        with item_ops(model, fused_ops() if fuse else EAGER):  # (what its pieces capture)
             bucket = graphs.bucket_of(blocks)
             costs[name] = {}
             for kind, skip in (("ar", frozenset()), ("draft", draft)):
                 step = functools.partial(graphs.run, bucket, blocks, skip, wanted)
                 costs[name][f"{kind}_ms"] = 1e3 * timed(step, model.device, iterations)
             costs[name]["captures"] = graphs.pieces.captures
-        finally:
-            model.ops = ops
     return costs
+
+
+def out_of_time(deadline: float | None) -> bool:
+    return deadline is not None and time.perf_counter() > deadline
+
+
+OUT_OF_TIME = "out of the check's time (--time-budget)"
 
 
 def step_costs(
     model, batch_sizes: list[int], contexts: list[int], verify_rows: list[int], iterations: int,
     skips: dict[str, frozenset[int]], variant_draft: str | None = None, deadline: float | None = None,
-) -> list[dict]:  # fmt: skip
-    """Per context and batch: the `ar` step eager and captured (ms, the floor's fraction,
-    kernels and launches, host ms), verify(k) over one row and each draft's step over the
-    `ar` step (captured), with the share of the step's bytes each draft skips; and with
-    `variant_draft`, the `ar` step and that draft's through each of VARIANTS. Past `deadline`
-    (time.perf_counter's), the remaining batches and contexts are reported as skipped, so that
-    the stages after this one still run within the check's time."""
+) -> Iterator[dict]:  # fmt: skip
+    """Per context and batch, a row as soon as it is measured: the `ar` step eager and captured
+    (ms, the floor's fraction, kernels and launches, host ms), verify(k) over one row and each
+    draft's step over the `ar` step (captured), with the share of the step's bytes each draft
+    skips; and with `variant_draft`, the `ar` step and that draft's through each of VARIANTS.
+
+    Past `deadline` (time.perf_counter's) no new batch and context starts (reported skipped)
+    and a started one measures no further part (its `left` names them), so that the stages
+    after this one still run within the check's time. A batch and context that fails keeps
+    what it measured, with its `error`; the others still run."""
     device = model.device
     bandwidth = copy_bandwidth(device)
-    rows = []
     for context in contexts:
         for batch in batch_sizes:
-            if deadline is not None and time.perf_counter() > deadline:
+            row: dict = {"batch": batch, "context": context}
+            if out_of_time(deadline):
                 logger.warning("batch %d, context %d skipped: out of the check's time", batch, context)
-                rows.append({"batch": batch, "context": context, "skipped": "out of the check's time (--time-budget)"})
-                continue
-            capacity = context + max(verify_rows)
-            too_big = pool_fits(model, batch, capacity)
-            if too_big is not None:
-                logger.warning("batch %d, context %d skipped: %s", batch, context, too_big)
-                rows.append({"batch": batch, "context": context, "skipped": too_big})
-                continue
-            pool = model.new_pool(batch, capacity)
-            caches = [pool.acquire(capacity) for _ in range(batch)]
-            for cache in caches:
-                cache.commit(context)  # what the keys hold does not change what reading them costs
+                row["skipped"] = OUT_OF_TIME
+            else:
+                try:
+                    measure_step(model, row, bandwidth, verify_rows, iterations, skips, variant_draft, deadline)
+                except Exception as error:  # noqa: BLE001 — one batch and context's failure, reported in its row
+                    logger.error("batch %d, context %d failed:\n%s", batch, context, traceback.format_exc())
+                    row["error"] = f"{type(error).__name__}: {error}"
+                if device.type == "cuda":  # (its pool went with measure_step's frame: kv_pool.py, StepGraphs)
+                    torch.cuda.empty_cache()
+            yield row
 
-            def step(k: int, skip: frozenset[int] = frozenset(), captured: bool = True, caches=caches):
-                blocks = [RequestRows(c, list(range(10, 10 + k)), c.length) for c in caches]
-                if captured:
-                    return lambda: model.forward_batch(blocks, skip=skip)
-                return lambda: model.run_blocks(blocks, skip, "all")
 
-            floor = step_bytes(model, batch, context) / bandwidth
-            row = {"batch": batch, "context": context, "floor_ms": floor * 1e3}
-            reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
-            for path, captured in (("eager", False), ("graphs", True)):
-                seconds = timed(step(1, captured=captured), device, iterations)
-                row[f"{path}_ms"] = seconds * 1e3
-                row[f"{path}_floor_over_step"] = floor / seconds
-                row[f"{path}_host_ms"] = host_seconds(step(1, captured=captured), device, iterations) * 1e3
-                counted = launches(step(1, captured=captured), device)
-                row[f"{path}_kernels"], row[f"{path}_launches"] = counted["kernels"], counted["launches"]
-            ar = row["graphs_ms"] / 1e3
-            row["tokens_per_s"] = batch / ar
+@torch.inference_mode()
+def measure_step(
+    model, row: dict, bandwidth: float, verify_rows: list[int], iterations: int, skips: dict[str, frozenset[int]],
+    variant_draft: str | None, deadline: float | None,
+) -> None:  # fmt: skip
+    """One batch and context's measurements, into `row` as each part ends (step_costs)."""
+    device, batch, context = model.device, row["batch"], row["context"]
+    capacity = context + max(verify_rows)
+    too_big = pool_fits(model, batch, capacity)
+    if too_big is not None:
+        logger.warning("batch %d, context %d skipped: %s", batch, context, too_big)
+        row["skipped"] = too_big
+        return
+    pool = model.new_pool(batch, capacity)
+    caches = [pool.acquire(capacity) for _ in range(batch)]
+    for cache in caches:
+        cache.commit(context)  # what the keys hold does not change what reading them costs
+
+    def step(k: int, skip: frozenset[int] = frozenset(), captured: bool = True) -> Callable[[], object]:
+        blocks = [RequestRows(c, list(range(10, 10 + k)), c.length) for c in caches]
+        if captured:
+            return lambda: model.forward_batch(blocks, skip=skip)
+        return lambda: model.run_blocks(blocks, skip, "all")
+
+    floor = step_bytes(model, batch, context) / bandwidth
+    row["floor_ms"] = floor * 1e3
+    reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    for path, captured in (("eager", False), ("graphs", True)):
+        # The eager step is the plain one: kernel by kernel, its element-wise work unfused.
+        with item_ops(model, model.ops if captured else EAGER):
+            seconds = timed(step(1, captured=captured), device, iterations)
+            host = host_seconds(step(1, captured=captured), device, iterations)
+            counted = launches(step(1, captured=captured), device)
+        row[f"{path}_ms"], row[f"{path}_floor_over_step"] = seconds * 1e3, floor / seconds
+        row[f"{path}_host_ms"] = host * 1e3
+        row[f"{path}_kernels"], row[f"{path}_launches"] = counted["kernels"], counted["launches"]
+    ar = row["graphs_ms"] / 1e3
+    row["tokens_per_s"] = batch / ar
+
+    def captures() -> None:
+        """What capturing every step so far cost: graphs, the host's time, the memory they hold."""
+        pieces = pool.graphs.pieces
+        row["captures"], row["capture_s"] = pieces.captures, pieces.capture_seconds
+        if device.type == "cuda":
+            row["graphs_memory_mib"] = (torch.cuda.memory_reserved(device) - reserved) / 2**20
+
+    captures()
+    logger.info(
+        "batch %d, context %d: ar step %.2f ms eager, %.2f ms captured (floor %.2f ms)",
+        batch, context, row["eager_ms"], row["graphs_ms"], floor * 1e3,
+    )  # fmt: skip
+    parts = ["verify", "drafts"] + (["variants"] if variant_draft is not None else [])
+    for part in parts:
+        if out_of_time(deadline):
+            row["left"] = parts[parts.index(part) :]
+            logger.warning("batch %d, context %d: %s left out of the check's time", batch, context, row["left"])
+            break
+        if part == "verify":
             for k in verify_rows:
                 row[f"verify_{k}_over_1"] = timed(step(k), device, iterations) / ar
+        elif part == "drafts":
             full = step_bytes(model, batch, context)
             row["draft_over_ar"] = {key: timed(step(1, skip), device, iterations) / ar for key, skip in skips.items()}
             row["draft_bytes_skipped"] = {
                 key: 1 - step_bytes(model, batch, context, skip) / full for key, skip in skips.items()
             }
-            # What capturing every step above cost: graphs, the host's time, the memory they hold.
-            pieces = pool.graphs.pieces
-            row["captures"], row["capture_s"] = pieces.captures, pieces.capture_seconds
-            if device.type == "cuda":
-                row["graphs_memory_mib"] = (torch.cuda.memory_reserved(device) - reserved) / 2**20
-            if variant_draft is not None:
-                blocks = [RequestRows(c, [10], c.length) for c in caches]
-                row["variants"] = variant_costs(model, pool, blocks, skips[variant_draft], iterations)
-                row["variant_draft"] = variant_draft
-            logger.info(
-                "batch %d, context %d: ar step %.2f ms eager, %.2f ms captured (floor %.2f ms)",
-                batch, context, row["eager_ms"], row["graphs_ms"], floor * 1e3,
-            )  # fmt: skip
-            rows.append(row)
-            for cache in caches:
-                pool.release(cache)
-            del pool, caches
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    return rows
+        else:
+            blocks = [RequestRows(c, [10], c.length) for c in caches]
+            row["variants"] = variant_costs(model, pool, blocks, skips[variant_draft], iterations)
+            row["variant_draft"] = variant_draft
+        captures()
 
 
-def prefill_speed(model, tokens: int, chunk: int, iterations: int) -> dict:
+def prefill_speed(model, tokens: int, chunk: int, iterations: int) -> Iterator[dict]:
     """Prompt reading in chunks of `chunk` tokens: tokens/s and its FLOP rate against the
     device's matmul peak at the model's shapes and a chunk's rows (same dtype, same run). Where
     the model captures its steps, also the batcher's way side by side: the prompt into a pool's
-    slot in the model's own prefill chunks, eager and as captured chunk steps (`captured`)."""
+    slot in the model's own prefill chunks, eager and as captured chunk steps (`captured`; its
+    error in its place where it fails). Yields the result as each part ends."""
+    result = eager_prefill_speed(model, tokens, chunk, iterations)
+    yield result
+    if model.graphs is not None:
+        try:
+            result["captured"] = pooled_prefill_speed(model, tokens, iterations)
+        except Exception as error:  # noqa: BLE001 — the eager part stands; the captured one's error beside it
+            logger.error("captured prefill failed:\n%s", traceback.format_exc())
+            result["captured"] = {"error": f"{type(error).__name__}: {error}"}
+        yield result
+
+
+@torch.inference_mode()
+def eager_prefill_speed(model, tokens: int, chunk: int, iterations: int) -> dict:
     device = model.device
     ids = torch.randint(3, model.spec.vocab_size, (tokens,), device=device)
     cache = model.new_cache(tokens)
@@ -255,20 +312,19 @@ def prefill_speed(model, tokens: int, chunk: int, iterations: int) -> dict:
         peak_seconds += timed(lambda x=x, weight=weight: F.linear(x, weight), device, iterations)
         peak_flops += 2.0 * chunk * out * inner
     peak = peak_flops / peak_seconds
-    result = {
+    return {
         "tokens": tokens, "chunk": chunk, "tokens_per_s": tokens / seconds, "tflops": flops / seconds / 1e12,
         "peak_tflops": peak / 1e12, "of_peak": flops / seconds / peak,
     }  # fmt: skip
-    if model.graphs is not None:
-        result["captured"] = pooled_prefill_speed(model, ids, iterations)
-    return result
 
 
-def pooled_prefill_speed(model, ids: torch.Tensor, iterations: int) -> dict:
-    """`ids` into one slot of a pool in the model's prefill chunks, as the continuous batcher
-    feeds a prompt: eager (a pool without captured steps) and captured, alternating runs."""
+@torch.inference_mode()
+def pooled_prefill_speed(model, tokens: int, iterations: int) -> dict:
+    """`tokens` prompt tokens into one slot of a pool in the model's prefill chunks, as the
+    continuous batcher feeds a prompt: eager (a pool without captured steps, the element-wise
+    work unfused) and captured."""
     settings, chunk = model.graphs, model.prefill_chunk
-    tokens = ids.numel()
+    ids = torch.randint(3, model.spec.vocab_size, (tokens,), device=model.device)
     pools = {}
     for path in ("eager", "captured"):
         model.use_graphs(settings if path == "captured" else None)  # (a pool's steps follow its making)
@@ -286,7 +342,10 @@ def pooled_prefill_speed(model, ids: torch.Tensor, iterations: int) -> dict:
 
         return run
 
-    seconds = {path: timed(read(path), model.device, iterations) for path in slots}
+    seconds = {}
+    for path in slots:
+        with item_ops(model, model.ops if path == "captured" else EAGER):
+            seconds[path] = timed(read(path), model.device, iterations)
     graphs = pools["captured"].graphs
     return {
         "chunk": chunk, "eager_tokens_per_s": tokens / seconds["eager"],

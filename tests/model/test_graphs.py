@@ -6,6 +6,9 @@ decoded through them."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -180,6 +183,29 @@ def test_padding_writes_only_the_scratch_position(tiny_llama):
         expected = set(range(cache.length, cache.length + n)) | ({pool.scratch_position} if cache.slot == 0 else set())
         assert set(touched[cache.slot].nonzero().flatten().tolist()) == expected
     assert touched[0, pool.scratch_position] and not touched[3].any()  # slot 3 is free
+
+
+def test_a_dropped_pool_frees_its_memory_and_its_steps_without_a_garbage_collection(tiny_llama):
+    """The pool owns its captured steps, which refer to it weakly: its last reference gone, the
+    pool, its steps and their buffers go at once (a GPU check makes and drops pools of tens of
+    GiB, and capturing a graph no longer collects cycles)."""
+    _, model = load_tiny(tiny_llama)
+    model.use_graphs(GraphSettings(capture="eager"))
+    caches = pooled_caches(model)
+    model.forward_batch(blocks_of(caches, [1, 3, 2]), {2}, "last")  # a draft's pieces and a verify's
+    pool = caches[0].pool
+    graphs = pool.graphs
+    assert graphs is not None and graphs.pool is pool and len(graphs.pieces) > 0
+    dropped = [weakref.ref(pool), weakref.ref(graphs), weakref.ref(pool.keys), weakref.ref(graphs.buffers.metadata)]
+    del graphs
+    gc.disable()
+    try:
+        for cache in caches:
+            model.release(cache)
+        del pool, caches, cache
+        assert [ref() for ref in dropped] == [None] * len(dropped)
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16"])

@@ -79,7 +79,9 @@ class StaticStep:
         for a prompt chunk's, which reads its gathered slot up to the bucket's keys)."""
         if pool.scratch_position is None:
             raise ValueError("a captured step pads into its pool's scratch position: make the pool with scratch=True")
-        self.model, self.pool, self.bucket, self.buffers = model, pool, bucket, buffers
+        # The pool's tensors and scratch position, never the pool: it owns its steps (KVPool.graphs).
+        self.model, self.bucket, self.buffers = model, bucket, buffers
+        self.scratch_position = pool.scratch_position
         m, r, width = bucket.num_rows, bucket.requests, bucket.keys
         meta = buffers.metadata
         self.token_ids, self.row_slots, self.positions, self.seen = meta[: ROW_PARTS * m].view(ROW_PARTS, m)
@@ -97,7 +99,7 @@ class StaticStep:
         capacity = width if bucket.gathered else pool.keys.shape[3]
         self.blocks = SlotBlocks(self.seen_rows, capacity) if flex else None
         attention = SlotRows(
-            pool, r, bucket.rows, width, self.row_slots, self.positions, request_slots, self.mask, self.seen_rows,
+            pool.keys, pool.values, r, bucket.rows, width, self.row_slots, self.positions, request_slots, self.mask, self.seen_rows,
             self.blocks,
         )  # fmt: skip
         packed = model.lm_head.packed  # the packed kernels of each request's rows alone (packing.kernel_ranges)
@@ -113,7 +115,7 @@ class StaticStep:
         per request with its token ids (host ints or a tensor). Padding rows write into slot 0's
         scratch position; an idle place's rows read its slot's first key (whatever it holds:
         finite, never NaN, KVPool.release), and nothing else reads what they make."""
-        bucket, scratch = self.bucket, self.pool.scratch_position
+        bucket, scratch = self.bucket, self.scratch_position
         m, t = bucket.num_rows, bucket.rows
         values = torch.zeros(ROW_PARTS * m + bucket.requests + 1, dtype=torch.long)
         ids, row_slots, positions, seen = values[: ROW_PARTS * m].view(ROW_PARTS, m)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import weakref
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -74,10 +75,13 @@ class GraphSettings:
 class StepGraphs:
     """A model's captured steps over one pool: the pool's bucket grid, the buffers every bucket's
     step views, each bucket's static step, and the captured pieces (kept on the pool, made at
-    its first captured step: SublayerModel.forward_batch)."""
+    its first captured step: SublayerModel.forward_batch). The pool owns them and they refer
+    to it weakly: a pool dropped frees its memory, graphs included, with its last reference,
+    not at a later garbage collection (which capturing a CUDA graph no longer runs)."""
 
     def __init__(self, model, pool: KVPool, settings: GraphSettings) -> None:
-        self.model, self.pool, self.settings = model, pool, settings
+        self.model, self.settings = model, settings
+        self._pool = weakref.ref(pool)
         self.flex = settings.flex_on(model.device)
         chunk = model.prefill_chunk if settings.chunks else 0
         self.grid = BucketGrid.for_pool(pool.num_slots, settings.rows, pool.slot_capacity, self.flex, chunk)
@@ -93,6 +97,10 @@ class StepGraphs:
             pool.num_slots, len(self.grid), self.grid.requests, self.grid.rows, self.grid.keys,
             self.grid.chunks or "no", settings.granularity.value, "flex" if self.flex else "matmul",
         )  # fmt: skip
+
+    @property
+    def pool(self) -> KVPool | None:
+        return self._pool()
 
     def parts(self, blocks: Sequence[RequestRows], wanted: Sequence[str]) -> list[tuple[Bucket, list[int]]] | None:
         """The captured steps that serve `blocks` with the logits `wanted`: (bucket, the blocks'
@@ -137,7 +145,7 @@ class StepGraphs:
         """`bucket`'s step with the metadata of `blocks` loaded (one copy to the device)."""
         step = self._steps.get(bucket)
         if step is None:
-            step = self._steps[bucket] = StaticStep(self.model, self.pool, bucket, self.buffers, self.flex)
+            step = self._steps[bucket] = StaticStep(self.model, self._pool(), bucket, self.buffers, self.flex)
         spans = [(block.cache, block.start, len(block.token_ids)) for block in blocks]
         for cache, start, n in spans:
             cache.check_room(start + n)
