@@ -56,7 +56,7 @@ from pipeline.logs import configure_logging
 from pipeline.model.graphs import GraphSettings
 from pipeline.model.linear import ComputeMode
 from profiling.device_profile import shaped_model
-from profiling.gpu.checks import attention_agreement, greedy_equality, sampling_law
+from profiling.gpu.checks import attention_agreement, graph_settings, greedy_equality, sampling_law
 from profiling.gpu.report import format_report
 from profiling.gpu.steps import prefill_speed, step_costs
 
@@ -105,6 +105,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--acceptance", type=Path, default=DEFAULT_ACCEPTANCE, help="α per share of skipped items (jobs/acceptance.py)"
+    )
+    parser.add_argument(
+        "--attention",
+        default="auto",
+        choices=("auto", "flex", "matmul"),
+        help="a captured step's attention: FlexAttention, the masked matmuls, or auto (FlexAttention on a GPU "
+        "where PyTorch has it); the fallback where FlexAttention fails to compile is matmul",
+    )
+    parser.add_argument(
+        "--unfused", action="store_true", help="captured steps without the fused element-wise kernels (a fallback)"
     )
     parser.add_argument("--output", type=Path, default=Path("out"))
     args = parser.parse_args(argv)
@@ -237,12 +247,14 @@ def run(args: argparse.Namespace) -> int:
         if printed:
             print("\n" + format_report(header, results, only=stage), flush=True)
 
+    settings = GraphSettings(attention=args.attention, fuse=False if args.unfused else None)
+    header["graphs"] = f"{args.attention} attention" + (", unfused" if args.unfused else "")
     config = llama_config(args.shape)
     model = None
     if {"steps", "knapspec", "prefill"} & set(stages):
         with torch.inference_mode():
             model = shaped_model(config, mode, device, num_layers=config.num_hidden_layers)
-        model.use_graphs(GraphSettings(capture="cuda" if device.type == "cuda" else "eager"))
+        model.use_graphs(graph_settings(device, settings))
         logger.info("Built the %s-shaped model in %.0f s", args.shape, time.perf_counter() - started)
     if model is not None and ("steps" in stages or "knapspec" in stages):
         num_layers = model.spec.num_layers
@@ -270,9 +282,9 @@ def run(args: argparse.Namespace) -> int:
     if "attention" in stages:
         run_stage("attention", lambda: attention_agreement(device), results, report)
     if "equality" in stages:
-        run_stage("equality", lambda: greedy_equality(tiny, device), results, report)
+        run_stage("equality", lambda: greedy_equality(tiny, device, settings), results, report)
     if "sampling" in stages:
-        run_stage("sampling", lambda: sampling_law(tiny, device, args.samples), results, report)
+        run_stage("sampling", lambda: sampling_law(tiny, device, args.samples, settings), results, report)
     failed = [
         stage for stage, result in results.items()
         if isinstance(result, dict) and (result.get("error") or result.get("failures"))

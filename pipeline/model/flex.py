@@ -19,10 +19,10 @@ import torch
 
 BLOCK = 128  # keys per block of the mask (FlexAttention's default)
 # Compiled versions flex_attention's code object may hold in a process (Dynamo's default is 8,
-# and with fullgraph=True the ninth raises). A version serves one batch size (static, below)
-# and one side of Dynamo's specializations (one row or more, a chunk or a decode step); the GPU
-# check's whole sequence of calls makes 20 of them on a GPU's settings, a CPU's tests and
-# rehearsals more (a compile per bucket there): tests/model/test_flex_compiles.py counts them.
+# and with fullgraph=True the ninth raises). On a GPU a version serves one batch size (static,
+# below) and one side of Dynamo's specializations (one row or more, one block of queries or
+# more); a CPU's tests and rehearsals make more (a compile per bucket there). The GPU check's
+# whole sequence of calls stays well inside: tests/model/test_flex_compiles.py counts them.
 RECOMPILE_LIMIT = 64
 
 
@@ -36,10 +36,12 @@ def flex_available() -> bool:
 
 def compile_options(device_type: str) -> dict:
     """FlexAttention's compile settings on `device_type`, in one place for every device. On a
-    GPU the rows and keys become dynamic at their first change (one more compile serves every
-    bucket after); the batch stays static (`static_batch`). Inductor's CPU template fails to
-    compile dynamic shapes: a compile per bucket there."""
-    return {"fullgraph": True, "dynamic": None if device_type == "cuda" else False}
+    GPU rows and keys are dynamic from the first compile, so one version serves every context
+    and verification width (automatic dynamic shapes would compile each first shape static,
+    then again at its first change: a compile more per batch size, 5-20 s each on a GPU); what
+    must stay static is marked so (`static_dims`). Inductor's CPU template fails to compile
+    dynamic shapes: a compile per bucket there."""
+    return {"fullgraph": True, "dynamic": True if device_type == "cuda" else False}
 
 
 @functools.cache
@@ -51,14 +53,16 @@ def compiled_flex(device_type: str, backend: str | Callable = "inductor"):
     return torch.compile(flex_attention, backend=backend, **compile_options(device_type))
 
 
-def static_batch(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: SlotBlocks) -> None:
-    """Keep the batch dimension of every tensor FlexAttention reads static. Inductor takes its
-    decode kernel (the keys split across thread blocks, each KV head read once for its query
-    group) only for a static batch; a batch made dynamic by automatic dynamic shapes (batch 8
-    after batch 1) sends one-row steps through the prefill kernel, 128-row query tiles for 1-9
-    rows. A compile per batch size of the pool's ladder is the price: a handful."""
+def static_dims(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: SlotBlocks) -> None:
+    """Keep static the batch of every tensor FlexAttention reads, and the heads and head size.
+    Inductor takes its decode kernel (a decode row's keys split across thread blocks, each KV
+    head read once for its query group) only for a static batch and static heads; with either
+    symbolic, one-row steps run through the prefill kernel, 128-row query tiles for 1-9 rows. A
+    compile per batch size of the pool's ladder is the price: a handful."""
+    for tensor in (queries, keys, values):  # [R, heads, rows or keys, head_dim]
+        torch._dynamo.mark_static(tensor, (0, 1, 3))
     mask = [t for t in blocks.mask.as_tuple() if isinstance(t, torch.Tensor)]
-    for tensor in (queries, keys, values, blocks.seen, *mask):  # (`seen`: the mask function's)
+    for tensor in (blocks.seen, *mask):  # (`seen`: the mask function's)
         torch._dynamo.mark_static(tensor, 0)
 
 
@@ -105,8 +109,10 @@ def flex_slot_attention(
     num_requests = keys.shape[0]
     rows, num_heads, head_dim = q.shape
     queries = q.view(num_requests, rows // num_requests, num_heads, head_dim).transpose(1, 2)
-    static_batch(queries, keys, values, blocks)
+    static_dims(queries, keys, values, blocks)
     flex = compiled_flex(q.device.type)
-    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), torch.fx.experimental._config.patch(
+        use_duck_shape=False
+    ):
         out = flex(queries, keys, values, block_mask=blocks.mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).reshape(rows, num_heads * head_dim)

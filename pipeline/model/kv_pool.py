@@ -63,9 +63,11 @@ class KVPool:
         self.scratch_position = slot_capacity if scratch else None
         self.shape = (num_layers, num_slots, num_kv_heads, slot_capacity + scratch, head_dim)
         # Zeros, not empty: a slot's positions past its request's are read (and weighted 0) by
-        # the batched attention, and 0 × NaN would not be 0.
-        self.keys = torch.zeros(self.shape, dtype=dtype, device=device)
-        self.values = torch.zeros(self.shape, dtype=dtype, device=device)
+        # the batched attention, and 0 × NaN would not be 0. Plain tensors wherever the pool is
+        # made (inference mode or not), so that a compiled attention meets one kind of them.
+        with torch.inference_mode(False):
+            self.keys = torch.zeros(self.shape, dtype=dtype, device=device)
+            self.values = torch.zeros(self.shape, dtype=dtype, device=device)
         self._free = list(range(num_slots))  # a heap: low slots first, so live ones stay together
         self.live: set[int] = set()  # slots handed out (numbers: a cache refers to its pool, not back)
         self.graphs = None  # a model's captured steps over this pool (graphs.StepGraphs), from its first one

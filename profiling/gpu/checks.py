@@ -9,6 +9,8 @@ gap within the mode's tie gap (pipeline/model/precision.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from pipeline.decoding.decode import decode
@@ -39,11 +41,16 @@ def capture_kind(device: torch.device) -> str:
     return "cuda" if device.type == "cuda" else "eager"
 
 
+def graph_settings(device: torch.device, settings: GraphSettings | None = None) -> GraphSettings:
+    """`settings` (the check's --attention and --unfused), capturing as `device` does."""
+    return dataclasses.replace(settings or GraphSettings(), capture=capture_kind(device))
+
+
 def _first_difference(got: list[int], alone: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(got, alone)) if a != b), min(len(got), len(alone)))
 
 
-def greedy_equality(config, device: torch.device) -> dict:
+def greedy_equality(config, device: torch.device, settings: GraphSettings | None = None) -> dict:
     """Mixed requests (prompt lengths, limits, prompt-lookup drafts) in one continuous batch,
     eager and with captured steps, against each request decoded alone eagerly; captured against
     eager; and how far the device's bf16 kernels move a row's logits as the rows beside it change."""
@@ -60,7 +67,7 @@ def greedy_equality(config, device: torch.device) -> dict:
     result: dict = {"requests": len(prompts), "failures": []}
     tokens = {}
     for path in ("eager", "graphs"):
-        model.use_graphs(GraphSettings(capture=capture_kind(device)) if path == "graphs" else None)
+        model.use_graphs(graph_settings(device, settings) if path == "graphs" else None)
         batcher = ContinuousBatcher(model, max_batch=4, slot_positions=longest)
         tickets = [
             batcher.submit(
@@ -160,12 +167,12 @@ def chi_square(counts: dict, law: dict, num_samples: int) -> tuple[float, int, f
     return statistic, dof, p_value
 
 
-def sampling_law(config, device: torch.device, num_samples: int) -> dict:
+def sampling_law(config, device: torch.device, num_samples: int, settings: GraphSettings | None = None) -> dict:
     """(t1, t2, t3) of one prompt sampled by `num_samples` requests of a continuous batch with
     captured steps, each with its own seed and a draft skipping items, against the exact law of
     plain sampling (χ²)."""
     model = model_from_tensors(config, tiny_tensors(config, device), ComputeMode.FP32, device)
-    model.use_graphs(GraphSettings(capture=capture_kind(device)))
+    model.use_graphs(graph_settings(device, settings))
     prompt = torch.randint(3, config.vocab_size, (4,), generator=torch.Generator().manual_seed(5))
     base = {"temperature": 1.0, "top_k": 4}
     law = exact_law(model, prompt, SamplingParams(**base))
@@ -199,6 +206,7 @@ def sampling_law(config, device: torch.device, num_samples: int) -> dict:
     }  # fmt: skip
 
 
+@torch.inference_mode()
 def attention_agreement(device: torch.device) -> dict:
     """The device's attention routes against their masked reference in bf16, random inputs: a
     prefill chunk after the first split at its start (flash kernels, no mask: layers.split_attention)

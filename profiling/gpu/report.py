@@ -224,7 +224,8 @@ def target_lines(results: dict) -> list[str]:
 def format_report(header: dict, results: dict, only: str | None = None) -> str:
     """The whole report, or with `only` the section of that stage (and the targets after it)."""
     lines = [
-        f"GPU check on {header['device']}: {header['shape']}-shaped model, random weights, {header['mode']}, one process.",
+        f"GPU check on {header['device']}: {header['shape']}-shaped model, random weights, {header['mode']}, one process"
+        f"; captured steps with {header.get('graphs', 'auto attention')}.",
         "",
     ]
     builders = {

@@ -118,3 +118,89 @@ def test_no_cuda_is_one_clear_error(capsys):
     gpu_check = load_job("gpu_check.py", "gpu_check_script")
     assert gpu_check.main(["--output", "unused"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+class StandInCompiler:
+    """A compiler backend in place of Inductor's Triton one, on a CPU: it counts the versions
+    Dynamo compiles, notes whether each keeps static what Inductor's decode kernel needs (every
+    tensor's batch; the queries', keys' and values' heads and head size), and runs the traced
+    graph eagerly where it is small (the tiny models' stages, whose tokens are checked) and
+    answers zeros of the output's shape where it is large (the 8B-shaped stages time it, and
+    their times are not this test's question)."""
+
+    LARGE = 2_000_000  # scores of one call (batch × heads × rows × keys)
+
+    def __init__(self) -> None:
+        self.versions: list[list[tuple]] = []
+        self.symbolic: list[list[tuple]] = []
+
+    def __call__(self, gm, example_inputs):
+        # The traced inputs, their sizes symbolic where Dynamo made them dynamic (s0, s1, ...).
+        traced = [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
+        tensors = [t for t in traced if isinstance(t, torch.Tensor)]
+        shapes = [tuple(t.shape) for t in tensors]
+        self.versions.append(shapes)
+        for t, shape in zip(tensors, shapes):
+            static = (0, 1, 3) if len(shape) == 4 and t.is_floating_point() else (0,) if shape else ()
+            if any(isinstance(shape[d], torch.SymInt) for d in static):
+                self.symbolic.append(shapes)
+
+        def run(*args):
+            query, keys = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 4 and a.is_floating_point()][:2]
+            if query.shape[:3].numel() * keys.shape[2] <= self.LARGE:
+                return gm.forward(*args)
+            return (torch.zeros_like(query),)  # (flex_attention's output: the queries' shape)
+
+        return run
+
+
+# Llama-3.1-8B's structure where the GPU check's attention calls depend on it (the batch sizes,
+# contexts, verify widths and prompt lengths come from the check's defaults, the prompt chunks
+# from the 8B's prefill chunk), narrow where they do not (heads and head size are constants of a
+# model: fewer and smaller, its calls keep their shapes), and four layers (every layer's call is
+# the same; four leave drafts to skip).
+NARROW_8B = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=512, max_position_embeddings=131072, rope_theta=500000.0,
+)  # fmt: skip
+
+
+def test_the_checks_whole_sequence_of_flex_calls_compiles_within_the_limit_with_a_static_batch(tmp_path, monkeypatch):
+    """Every FlexAttention call the GPU check makes on a GPU, in its order (every stage, the
+    8B-shaped model's batches, contexts, verify widths, drafts, variants and prompt chunks, then
+    the attention stage's and the tiny models'), through the settings and code a GPU compiles
+    them with (flex.py: compile options, static dimensions, recompile budget), Inductor's Triton
+    backend replaced by a stand-in. Before, the ninth version raised FailOnRecompileLimitHit."""
+    from pipeline.model import flex, sublayer_model
+    from pipeline.model.context import prefill_chunk_for
+    from pipeline.model.spec import ModelSpec
+
+    gpu_check = load_job("gpu_check.py", "gpu_check_script")
+    compiler = StandInCompiler()
+    compiled = flex.compiled_flex
+    monkeypatch.setattr(flex, "compiled_flex", lambda device_type: compiled("cuda", compiler))
+    chunk = prefill_chunk_for(ModelSpec.from_hf_config(gpu_check.llama_config("llama-3.1-8b")))
+    monkeypatch.setitem(gpu_check.SHAPES, "llama-3.1-8b", NARROW_8B)
+    monkeypatch.setattr(sublayer_model, "prefill_chunk_for", lambda spec: chunk if spec.hidden_size == 64 else
+                        prefill_chunk_for(spec))  # fmt: skip
+    torch._dynamo.reset()  # (flex_attention's versions from earlier tests, on the same code object)
+    try:
+        code = gpu_check.main(
+            ["--device", "cpu", "--attention", "flex", "--iterations", "1", "--samples", "300", "--time-budget",
+             "100000", "--output", str(tmp_path)]
+        )  # fmt: skip
+    finally:
+        torch._dynamo.reset()
+    print(f"{len(compiler.versions)} versions of flex_attention compiled:", *compiler.versions, sep="\n")
+    out = json.loads((tmp_path / "gpu_check.json").read_text())
+    errors = {stage: out[stage] for stage in gpu_check.STAGES if isinstance(out[stage], dict) and "error" in out[stage]}
+    assert not errors
+    rows = [(row["batch"], row["context"]) for row in out["steps"]]
+    assert rows == [(1, 4096), (8, 4096), (32, 4096), (1, 16384), (8, 16384), (32, 16384)]
+    assert not [row for row in out["steps"] if "error" in row or "left" in row or "skipped" in row]
+    captured = out["prefill"]["captured"]
+    assert "error" not in captured and captured["chunk"] == chunk == 512 and captured["chunk_steps"] > 0
+    assert not out["equality"]["failures"] and out["equality"]["captured_steps"] > 0
+    assert not compiler.symbolic
+    assert len(compiler.versions) <= flex.RECOMPILE_LIMIT // 2
+    assert code in (0, 1)  # (sampling's χ² on few samples and random weights may fail: not this test's question)
