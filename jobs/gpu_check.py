@@ -288,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
     failed = [
         stage for stage, result in results.items()
         if isinstance(result, dict) and (result.get("error") or result.get("failures"))
+        or isinstance(result, list) and any("error" in row for row in result)
     ]  # fmt: skip
     if failed:
         logger.error("stages with failures: %s", ", ".join(failed))

@@ -204,3 +204,53 @@ def test_the_checks_whole_sequence_of_flex_calls_compiles_within_the_limit_with_
     assert not compiler.symbolic
     assert len(compiler.versions) <= flex.RECOMPILE_LIMIT // 2
     assert code in (0, 1)  # (sampling's χ² on few samples and random weights may fail: not this test's question)
+
+
+def test_a_failing_batch_and_context_and_the_time_budget_leave_the_other_rows_in_the_report(tmp_path, monkeypatch):
+    """Each batch and context is guarded and written as it ends: one that fails keeps its error
+    in its row, the rows before and after it stay; past the deadline a started one measures no
+    further part and the rest are skipped; the files on disk grow by a row as each one ends."""
+    gpu_check = load_job("gpu_check.py", "gpu_check_script")
+    acceptance = tmp_path / "acceptance.json"
+    acceptance.write_text(json.dumps(ACCEPTANCE))
+    fits = gpu_check_steps.pool_fits
+
+    def pool_fits(model, batch, positions):
+        if (batch, positions) == (4, 128 + 2):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return fits(model, batch, positions)
+
+    calls = []  # the deadline, asked before each batch and context and before each of its parts
+
+    def out_of_time(deadline):
+        calls.append(deadline)
+        return len(calls) >= 8  # (the third's verify measured, its drafts and variants not)
+
+    on_disk = []
+    measure = gpu_check_steps.measure_step
+
+    def measure_step(model, row, *args):
+        written = tmp_path / "gpu_check.json"
+        on_disk.append(len(json.loads(written.read_text())["steps"]) if written.exists() else 0)
+        return measure(model, row, *args)
+
+    monkeypatch.setattr(gpu_check_steps, "pool_fits", pool_fits)
+    monkeypatch.setattr(gpu_check_steps, "out_of_time", out_of_time)
+    monkeypatch.setattr(gpu_check_steps, "measure_step", measure_step)
+    code = gpu_check.main(
+        ["--device", "cpu", "--shape", "tiny", "--stages", "steps,knapspec", "--batch-sizes", "1,4", "--contexts",
+         "128,256", "--verify-rows", "2", "--iterations", "1", "--acceptance", str(acceptance), "--output",
+         str(tmp_path)]
+    )  # fmt: skip
+    out = json.loads((tmp_path / "gpu_check.json").read_text())
+    first, failed, cut, skipped = out["steps"]
+    assert code == 1 and on_disk == [0, 1, 2]  # (a failed batch and context fails the check)
+    assert "error" not in first and first["variants"] and first["draft_over_ar"] and first["verify_2_over_1"] > 0
+    assert (failed["batch"], failed["context"]) == (4, 128) and "illegal memory access" in failed["error"]
+    assert cut["graphs_ms"] > 0 and cut["verify_2_over_1"] > 0 and cut["left"] == ["drafts", "variants"]
+    assert "draft_over_ar" not in cut and skipped["skipped"] == gpu_check_steps.OUT_OF_TIME
+    assert [(plan["batch"], plan["context"]) for plan in out["knapspec"]] == [(1, 128)]  # the one with drafts
+    report = (tmp_path / "gpu_check.md").read_text()
+    assert "| 4 | 128 | FAILED: RuntimeError: CUDA error: an illegal memory access" in report
+    assert "batch 1, context 256: drafts, variants left out of the check's time" in report
+    assert "| 4 | 256 | skipped: out of the check's time" in report and "| 1 | 128 | " in report
