@@ -22,7 +22,7 @@ BLOCK = 128  # keys per block of the mask (FlexAttention's default)
 # and with fullgraph=True the ninth raises). On a GPU a version serves one batch size (static,
 # below) and one side of Dynamo's specializations (one row or more, one block of queries or
 # more); a CPU's tests and rehearsals make more (a compile per bucket there). The GPU check's
-# whole sequence of calls stays well inside: tests/model/test_flex_compiles.py counts them.
+# whole sequence of calls stays well inside: tests/jobs/test_gpu_check.py counts them.
 RECOMPILE_LIMIT = 64
 
 
@@ -41,13 +41,13 @@ def compile_options(device_type: str) -> dict:
     then again at its first change: a compile more per batch size, 5-20 s each on a GPU); what
     must stay static is marked so (`static_dims`). Inductor's CPU template fails to compile
     dynamic shapes: a compile per bucket there."""
-    return {"fullgraph": True, "dynamic": True if device_type == "cuda" else False}
+    return {"fullgraph": True, "dynamic": device_type == "cuda"}
 
 
 @functools.cache
 def compiled_flex(device_type: str, backend: str | Callable = "inductor"):
     """flex_attention compiled with `device_type`'s settings; `backend` other than Inductor only
-    where a test replays a device's calls without its compiler (tests/model/test_flex_compiles.py)."""
+    where a test replays a device's calls without its compiler (tests/jobs/test_gpu_check.py)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, backend=backend, **compile_options(device_type))

@@ -99,8 +99,8 @@ class StaticStep:
         capacity = width if bucket.gathered else pool.keys.shape[3]
         self.blocks = SlotBlocks(self.seen_rows, capacity) if flex else None
         attention = SlotRows(
-            pool.keys, pool.values, r, bucket.rows, width, self.row_slots, self.positions, request_slots, self.mask, self.seen_rows,
-            self.blocks,
+            pool.keys, pool.values, r, bucket.rows, width, self.row_slots, self.positions, request_slots, self.mask,
+            self.seen_rows, self.blocks,
         )  # fmt: skip
         packed = model.lm_head.packed  # the packed kernels of each request's rows alone (packing.kernel_ranges)
         ranges = kernel_ranges((bucket.rows,) * r, KERNEL_MAX_ROWS) if packed else None
