@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test clean
+.PHONY: install demo test test-isa clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,8 +23,13 @@ install: $(STAMP)
 demo: install
 	$(PY) jobs/summarize.py --overwrite
 
+# The exactness tests rerun under every instruction set below this CPU's own take minutes each:
+# `make test` leaves them to `make test-isa`, which CI runs after it (.ci/run).
 test: install
-	$(PY) -m pytest -m "not gpu" -q
+	$(PY) -m pytest -m "not gpu and not isa" -q --durations=25
+
+test-isa: install
+	$(PY) -m pytest -m "isa and not gpu" -q tests/test_instruction_sets.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

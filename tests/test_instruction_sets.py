@@ -6,7 +6,8 @@ A CPU of another kind takes those paths: an AVX2-only one, an AVX-512 one withou
 instructions, a Zen 4 EPYC (AVX-512 with bf16, no AMX). A mode's promise
 (pipeline/model/precision.py) must hold on each, so CI fails on a regression there whatever
 CPU it runs on. (The bf16 mode's verify once parted from its decode on a Zen 4 EPYC and on this
-suite forced to AVX-512 alone, while passing on an AMX Xeon.)"""
+suite forced to AVX-512 alone, while passing on an AMX Xeon.) The reruns (marker `isa`) take
+several minutes each: `make test` leaves them to `make test-isa`, the second step of CI."""
 
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ def test_levels_are_read_from_the_cpus_flags():
     assert levels_below_this_cpu({"avx2", "fma"}) == []
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("level", [name for name in LEVELS if name != "amx"])
 def test_exactness_holds_with_the_cpu_forced_down_to(level, tmp_path):
     if level not in levels_below_this_cpu(cpu_flags()):
