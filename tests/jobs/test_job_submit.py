@@ -31,6 +31,8 @@ def cluster_env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     # Keep Ray on the loopback interface; token authentication would block `ray job submit` there.
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled")
+    # The head is stopped once its job has finished: nothing to drain (Ray waits up to 30 s).
+    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
     # `python` in the job's entrypoint must be this interpreter, with this project installed.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
@@ -70,12 +72,18 @@ def ray_head(tmp_path):
         wait_for_dashboard(dashboard_port, head)
         yield f"http://127.0.0.1:{dashboard_port}"
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
+        # The head alone first: it drains its node through its GCS and stops what it started (a
+        # SIGTERM to the whole group killed the GCS under it, and the drain waited 30 s for it).
+        head.send_signal(signal.SIGTERM)
         try:
             head.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
+            pass
+        try:
+            os.killpg(head.pid, signal.SIGKILL)  # whatever of its session is left
+        except ProcessLookupError:
+            pass
+        head.wait()
         log.close()
         _forget_address(f"127.0.0.1:{gcs_port}")
 
