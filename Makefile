@@ -26,7 +26,7 @@ demo: install
 # The exactness tests rerun under every instruction set below this CPU's own take minutes each:
 # `make test` leaves them to `make test-isa`, which CI runs after it (.ci/run).
 test: install
-	$(PY) -m pytest -m "not gpu and not isa" -q --durations=25
+	$(PY) -m pytest -m "not gpu and not isa" -q --durations=50
 
 test-isa: install
 	$(PY) -m pytest -m "isa and not gpu" -q tests/test_instruction_sets.py
