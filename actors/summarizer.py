@@ -55,6 +55,11 @@ DOCUMENTS_PER_ACTOR = 16
 # replicas hold the CPUs, and a stage asking Ray Data's default of one CPU could wait forever
 # behind them on a small machine.
 DATA_TASK_CPUS = 0.1
+# Memory a summarize actor declares, so that Ray places it where it fits and Ray Data's memory
+# check has nothing to warn about: its largest unique set in the default run was 471 MiB (the
+# tokenizer, ROUGE, Arrow batches of its documents, the dispatcher's threads; 2 cores of an
+# AMD EPYC), Ray Data's advice 1.3 times that; a document of several MiB adds its chunks.
+SUMMARIZE_ACTOR_MEMORY = 640 * 2**20
 
 
 @dataclass(frozen=True)
@@ -168,6 +173,7 @@ class Summarizer:
             # them, one light task of the job and one user task at Ray Data's default of one CPU
             # must fit in what the replicas leave free.
             num_cpus=min(DATA_TASK_CPUS, (DATA_CPUS - USER_TASK_CPUS - DATA_TASK_CPUS) / actors),
+            memory=SUMMARIZE_ACTOR_MEMORY,
         )
         # Every request ends within its tries' timeouts, so the run cannot hang silently; Ray
         # Data's own guard must leave a healthy run of the longest requests that long.

@@ -36,7 +36,7 @@ from job_cli import (
     run_reporting_errors,
     sampling_params,
 )
-from pipeline.logs import configure_logging
+from pipeline.logs import configure_logging, quiet_ray_chatter
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_INPUT = REPO / "data" / "sample.jsonl"
@@ -220,6 +220,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", type=Path, help="where the embedded model's safetensors copy lives")
     add_calibration_dir_argument(parser, os.environ)
     parser.add_argument("--quiet", action="store_true", help="log warnings only")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="Ray's and Ray Data's own lines too (progress blocks, datasets' plans, the cluster's start)",
+    )
     return parser.parse_args(argv)
 
 
@@ -408,7 +413,11 @@ def main(argv: list[str] | None = None) -> int:
         # otherwise binds the machine's interface address). Ray reads this when imported.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     configure_logging(args.quiet)
+    import ray.data  # noqa: F401 — (its import sets up the loggers quieted next)
+
     from pipeline.errors import KnapSpecError
+
+    quiet_ray_chatter(args.verbose)
 
     # Not every ValueError: a bug in a data stage should show its traceback.
     return run_reporting_errors(
