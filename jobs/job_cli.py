@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from pipeline.errors import ConfigError, KnapSpecError
+from pipeline.logs import configure_logging
 
 if TYPE_CHECKING:
     import torch
@@ -88,6 +90,41 @@ def add_calibration_dir_argument(group, environ: Mapping[str, str], flag: str = 
         default=Path(default).expanduser() if default else None,
         help=f"latency-table store folder (default: ${CALIBRATION_DIR_ENV}, else the cache's calibration/)",
     )
+
+
+def add_log_arguments(parser) -> None:
+    """--quiet (warnings only) and --verbose (Ray's and Ray Data's own lines too: RAY_CHATTER)."""
+    parser.add_argument("--quiet", action="store_true", help="log warnings only")
+    parser.add_argument(
+        "--verbose", action="store_true", help="Ray's and Ray Data's own lines too (progress blocks, datasets' plans)"
+    )
+
+
+# Ray's and Ray Data's lines in a job's driver that say less than the job's own, and the level
+# they are kept from: Ray Data's progress block (every 10 s where the output is not a terminal,
+# each dataset's first at once), each dataset's start, plan and end, the sink's rows written,
+# the local cluster's start, and the notice, a warning though nothing is wrong, that the cluster
+# uses token authentication. The job's `[k/n]` lines and closing table say what a reader needs;
+# `--verbose` keeps these.
+RAY_CHATTER = {
+    "ray.data._internal.progress": logging.WARNING,
+    "ray.data._internal.execution.streaming_executor": logging.WARNING,
+    "ray.data.dataset": logging.WARNING,  # ("Data sink ... finished": the job's closing lines say more)
+    "ray._private.worker": logging.WARNING,
+    "ray._private.authentication.authentication_token_setup": logging.ERROR,
+}
+
+
+def configure_job_logging(args: argparse.Namespace) -> None:
+    """The job's log (pipeline/logs.py) as add_log_arguments' flags ask: Ray's and Ray Data's
+    chatter (RAY_CHATTER) kept out unless --verbose."""
+    configure_logging(args.quiet)
+    if args.verbose:
+        return
+    import ray.data  # noqa: F401 — (its import sets up its loggers: after it, these levels stay)
+
+    for name, level in RAY_CHATTER.items():
+        logging.getLogger(name).setLevel(level)
 
 
 def add_sampling_arguments(

@@ -28,6 +28,8 @@ from pathlib import Path
 from job_cli import (
     Parser,
     add_calibration_dir_argument,
+    add_log_arguments,
+    configure_job_logging,
     add_sampling_arguments,
     fraction,
     non_negative_float,
@@ -36,7 +38,6 @@ from job_cli import (
     run_reporting_errors,
     sampling_params,
 )
-from pipeline.logs import configure_logging, quiet_ray_chatter
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_INPUT = REPO / "data" / "sample.jsonl"
@@ -219,12 +220,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--cache-dir", type=Path, help="where the embedded model's safetensors copy lives")
     add_calibration_dir_argument(parser, os.environ)
-    parser.add_argument("--quiet", action="store_true", help="log warnings only")
-    parser.add_argument(
-        "--verbose",
-        action="store_true",
-        help="Ray's and Ray Data's own lines too (progress blocks, datasets' plans, the cluster's start)",
-    )
+    add_log_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -409,15 +405,10 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if _starts_local_cluster(args.address):
-        # A local run needs no network: keep Ray on the loopback interface (on Linux Ray
-        # otherwise binds the machine's interface address). Ray reads this when imported.
+        # A local run needs no network: Ray on loopback, not the machine's address (read at import).
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    configure_logging(args.quiet)
-    import ray.data  # noqa: F401 — (its import sets up the loggers quieted next)
-
+    configure_job_logging(args)
     from pipeline.errors import KnapSpecError
-
-    quiet_ray_chatter(args.verbose)
 
     # Not every ValueError: a bug in a data stage should show its traceback.
     return run_reporting_errors(

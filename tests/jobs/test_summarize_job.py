@@ -262,7 +262,7 @@ def test_default_run_on_a_bundled_document(tmp_path):
     assert ends_on_sentence(row["summary"]) or row["finish_reason"] in ("eos", "length"), row
     assert "| 1 | 1 | 0 |" in result.stdout
     # A log a person reads (output not a terminal): none of Ray's and Ray Data's chatter
-    # (pipeline/logs.py), which `--verbose` brings back.
+    # (job_cli.RAY_CHATTER), which `--verbose` brings back.
     for chatter in ("Running Dataset", "Execution plan of Dataset", "Started a local Ray instance",
                     "Token authentication is enabled", "Using default tokenizer"):  # fmt: skip
         assert chatter not in result.stderr, chatter
