@@ -58,7 +58,7 @@ from pipeline.model.linear import ComputeMode
 from profiling.device_profile import shaped_model
 from profiling.gpu.checks import attention_agreement, graph_settings, greedy_equality, sampling_law
 from profiling.gpu.report import format_report
-from profiling.gpu.steps import prefill_speed, step_costs
+from profiling.gpu.steps import error_text, prefill_speed, step_costs
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_ACCEPTANCE = REPO / "docs" / "results" / "acceptance-smollm2.json"
@@ -209,7 +209,7 @@ def run_stage(name: str, stage: Callable[[], object], results: dict, report: Cal
             results[name] = result
     except Exception as error:  # noqa: BLE001 — one stage's failure is reported, and the check goes on
         logger.error("stage %s failed:\n%s", name, traceback.format_exc())
-        failure = {"error": f"{type(error).__name__}: {error}"}
+        failure = {"error": error_text(error)}
         if name in results:
             failure["partial"] = results[name]
         results[name] = failure

@@ -164,6 +164,11 @@ def variant_costs(model, pool, blocks: list[RequestRows], draft: frozenset[int],
     return costs
 
 
+def error_text(error: BaseException) -> str:
+    """How the report names a failure: its type and message."""
+    return f"{type(error).__name__}: {error}"
+
+
 def out_of_time(deadline: float | None) -> bool:
     return deadline is not None and time.perf_counter() > deadline
 
@@ -197,7 +202,7 @@ def step_costs(
                     measure_step(model, row, bandwidth, verify_rows, iterations, skips, variant_draft, deadline)
                 except Exception as error:  # noqa: BLE001 — one batch and context's failure, reported in its row
                     logger.error("batch %d, context %d failed:\n%s", batch, context, traceback.format_exc())
-                    row["error"] = f"{type(error).__name__}: {error}"
+                    row["error"] = error_text(error)
                 if device.type == "cuda":  # (its pool went with measure_step's frame: kv_pool.py, StepGraphs)
                     torch.cuda.empty_cache()
             yield row
@@ -289,7 +294,7 @@ def prefill_speed(model, tokens: int, chunk: int, iterations: int) -> Iterator[d
             result["captured"] = pooled_prefill_speed(model, tokens, iterations)
         except Exception as error:  # noqa: BLE001 — the eager part stands; the captured one's error beside it
             logger.error("captured prefill failed:\n%s", traceback.format_exc())
-            result["captured"] = {"error": f"{type(error).__name__}: {error}"}
+            result["captured"] = {"error": error_text(error)}
         yield result
 
 
