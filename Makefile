@@ -23,13 +23,18 @@ install: $(STAMP)
 demo: install
 	$(PY) jobs/summarize.py --overwrite
 
+# TEST_WORKERS=2: two pytest-xdist workers taking over each other's queue (README.md, Tests):
+# faster where there are cores to spare, not yet steady on 2 cores, so not the default.
+TEST_WORKERS ?= 1
+XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal,)
+
 # The exactness tests rerun under every instruction set below this CPU's own take minutes each:
 # `make test` leaves them to `make test-isa`, which CI runs after it (.ci/run).
 test: install
-	$(PY) -m pytest -m "not gpu and not isa" -q --durations=50
+	$(PY) -m pytest -m "not gpu and not isa" -q --durations=50 $(XDIST)
 
 test-isa: install
-	$(PY) -m pytest -m "isa and not gpu" -q tests/test_instruction_sets.py
+	$(PY) -m pytest -m "isa and not gpu" -q
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -10,16 +10,25 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import threading
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import ray
 from ray.util.placement_group import remove_placement_group
 
 from actors.metrics import ReplicaMetrics
 from actors.profiler import start_profilers
+from actors.resources import (
+    ReplicaResources,
+    check_memory,
+    cpus_per_replica,
+    node_memory,
+    replica_footprint_of,
+    stage_footprints_of,
+)
 from actors.restart import exit_for_restart
 from actors.shard import reserve, stage_bundles
 from pipeline.decoding.sampling import SamplingParams
@@ -27,6 +36,9 @@ from pipeline.decoding.stats import BusyClock
 from pipeline.engine import REGISTRY, Engine, EngineConfig, StrategyConfig
 from pipeline.errors import ConfigError, DeviceFault, is_device_fault
 from pipeline.logs import configure_worker_logging
+from pipeline.model import checkpoint
+from pipeline.model.footprint import RUNTIME_BYTES
+from pipeline.model.linear import resolve_compute_mode
 from profiling.calibration import store_calibrator
 from profiling.microbench import SUSPECT_RESIDUAL
 
@@ -55,7 +67,9 @@ class EngineReplica:
         strategy: StrategyConfig,
         num_threads: int | None = None,
         max_batch: int = 1,
+        declared_memory: int = 0,
     ) -> None:
+        """`declared_memory`: what this replica asked Ray for (ReplicaPool), to set its peak beside."""
         import torch
 
         from pipeline.decoding.serving import BatchingThread
@@ -75,6 +89,7 @@ class EngineReplica:
         if REGISTRY[strategy.name].build is not None:
             self.lanes = [BatchingThread(self.engine.batcher(max_batch))]
         self._one_at_a_time = threading.Lock()
+        self.declared_memory = declared_memory
         self.busy = BusyClock()
         self._start_metrics()
         self.load_s = time.perf_counter() - started
@@ -104,8 +119,9 @@ class EngineReplica:
 
     def usage(self) -> dict:
         """The wall time this replica held requests and what it served (stats.ReplicaUsage.to_dict):
-        its own throughput, which a batch's overlapping per-request decode times are not."""
-        return self.busy.usage().to_dict()
+        its own throughput, which a batch's overlapping per-request decode times are not; and its
+        process's peak resident memory beside what it declared."""
+        return replace(self.busy.usage(), peak_rss=peak_rss(), declared_memory=self.declared_memory).to_dict()
 
     def _calibration_residual(self) -> float | None:
         """The worst fit residual of the stored table this replica's search uses (None: none used)."""
@@ -148,12 +164,9 @@ class EngineReplica:
         return {"token_ids": result.token_ids, "finish_reason": result.finish_reason, "stats": stats, "extra": result.extra}
 
 
-# CPUs left to Ray Data when replicas are placed (with every CPU held by a replica, a data
-# task would wait forever): USER_TASK_CPUS for one task at Ray Data's default of one CPU (a
-# user's own read, map, filter or write around the summarize stage, actors/summarizer.py),
-# and a quarter for the job's light stages (its reads, filters, dispatchers and writes).
-USER_TASK_CPUS = 1.0
-DATA_CPUS = USER_TASK_CPUS + 0.25
+def peak_rss() -> int:
+    """This process's peak resident memory, in bytes (Linux counts ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class PipelineReplica(EngineReplica):
@@ -187,8 +200,6 @@ class PipelineReplica(EngineReplica):
         from actors.shard import start_pipeline
         from pipeline.decoding.serving import BatchingThread
         from pipeline.engine import SEARCHING_STRATEGIES
-        from pipeline.model import checkpoint
-        from pipeline.model.linear import resolve_compute_mode
 
         configure_worker_logging()
         if REGISTRY[strategy.name].build is None:
@@ -205,6 +216,9 @@ class PipelineReplica(EngineReplica):
             num_threads=num_threads,
             group=group,
             tensor_parallel=tensor_parallel,
+            # One batch per stage in flight (the lanes), each request with caches on every stage.
+            kv_requests=num_stages * max_batch,
+            slot_positions=engine_config.kv_slot_positions,
         )
         self.pipeline, self.stages = self.ray_pipeline.model, self.ray_pipeline.handles
         if strategy.name in SEARCHING_STRATEGIES and engine_config.latency is None:
@@ -280,16 +294,6 @@ class PipelineReplica(EngineReplica):
         raise AssertionError("unreachable")
 
 
-@dataclass(frozen=True)
-class ReplicaResources:
-    num_cpus: float | None = None  # None: up to one CPU each, whatever the cluster has after DATA_CPUS
-    num_gpus: float = 0.0
-    num_threads: int | None = None  # torch threads per replica; None: Ray's default for the reservation
-    pipeline_parallel: int = 1  # stages per replica
-    tensor_parallel: int = 1  # ranks per stage; each rank gets num_cpus / (stages × ranks)
-    max_batch: int = 1  # requests decoded in one batch (per stage in flight, for a pipelined replica)
-
-
 class ReplicaPool:
     """Starts `count` replicas, waits until each has loaded its model, and hands out their handles."""
 
@@ -303,8 +307,12 @@ class ReplicaPool:
     ) -> None:
         if count < 1:
             raise ConfigError(f"need at least one replica, got {count}")
-        num_cpus = _cpus_per_replica(count, resources)
+        num_cpus = cpus_per_replica(count, resources)
         stages, ranks = resources.pipeline_parallel, resources.tensor_parallel
+        # What one replica holds at its peak, declared to Ray: it places a replica only where it fits.
+        self.footprint = replica_footprint_of(engine_config, resources.max_batch)
+        if stages == 1 and ranks == 1:
+            check_memory(count, self.footprint, node_memory())
         self.groups: list = []
         self.profilers: dict = {}
         # Named, so that the summarize stage's actors take plain names, and one restarted by Ray
@@ -319,11 +327,12 @@ class ReplicaPool:
                     name=name,
                     num_cpus=num_cpus,
                     num_gpus=resources.num_gpus,
+                    memory=self.footprint.peak,
                     max_restarts=MAX_RESTARTS,
                     max_task_retries=MAX_TASK_RETRIES,
                     # Calls wait in the batcher's queue (admitted as KV room frees), not in Ray's.
                     max_concurrency=2 * resources.max_batch + 1,
-                ).remote(engine_config, strategy, resources.num_threads, resources.max_batch)
+                ).remote(engine_config, strategy, resources.num_threads, resources.max_batch, self.footprint.peak)
 
             self.handles = [start(self.names[0])]
             if REGISTRY[strategy.name].searching and count > 1:
@@ -338,6 +347,7 @@ class ReplicaPool:
             actor = ray.remote(PipelineReplica)
             options = dict(
                 num_cpus=0,
+                memory=RUNTIME_BYTES,  # the weights and caches are the stages'; the loop's books are small
                 max_restarts=MAX_RESTARTS,
                 max_task_retries=MAX_TASK_RETRIES,
                 max_concurrency=2 * stages * resources.max_batch + 1,
@@ -348,7 +358,19 @@ class ReplicaPool:
             # them by name, and a node's table is measured once for all of them.
             self.profilers = start_profilers()
             rank_cpus = num_cpus / (stages * ranks)
-            bundles = stage_bundles(stages, rank_cpus, engine_config.device, ranks)
+            memory = [
+                f.peak
+                for f in stage_footprints_of(
+                    checkpoint.resolve_checkpoint(engine_config.model, engine_config.cache_dir),
+                    stages,
+                    ranks,
+                    resolve_compute_mode(engine_config.dtype, engine_config.device),
+                    engine_config.device,
+                    stages * resources.max_batch,
+                    engine_config.kv_slot_positions,
+                )
+            ]
+            bundles = stage_bundles(stages, rank_cpus, engine_config.device, ranks, memory)
             what = f"({stages} pipeline stage(s) × {ranks} tensor-parallel rank(s))"
             self.groups = [reserve(bundles, "PACK", start_timeout_s, f"replica {i} {what}") for i in range(count)]
             self.handles = [
@@ -396,25 +418,3 @@ class ReplicaPool:
         for profiler in self.profilers.values():
             ray.kill(profiler)
         self.handles, self.groups, self.profilers = [], [], {}
-
-
-def _cpus_per_replica(count: int, resources: ReplicaResources) -> float:
-    """CPUs to reserve per replica; fails at once, naming what is missing, when the cluster
-    can never hold the replicas and still run the data stages."""
-    total = ray.cluster_resources()
-    usable = total.get("CPU", 0.0) - DATA_CPUS
-    shards = resources.pipeline_parallel * resources.tensor_parallel
-    gpus = count * resources.num_gpus * shards  # a GPU per stage and rank
-    if gpus > total.get("GPU", 0.0):
-        raise ConfigError(
-            f"{count} replicas of {resources.pipeline_parallel} stages × {resources.tensor_parallel} ranks "
-            f"need {gpus:g} GPUs, "
-            f"but the cluster has {total.get('GPU', 0.0):g}; lower --replicas"
-        )
-    num_cpus = resources.num_cpus if resources.num_cpus is not None else min(1.0, usable / count)
-    if num_cpus <= 0 or count * num_cpus > usable + 1e-9:
-        raise ConfigError(
-            f"{count} replicas × {num_cpus:g} CPUs need {count * num_cpus:g} CPUs plus {DATA_CPUS:g} for the data "
-            f"stages, but the cluster has {total.get('CPU', 0.0):g}; lower --replicas or --cpus-per-replica"
-        )
-    return num_cpus

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.resources import stage_footprints_of
 from pipeline.errors import ConfigError
 from pipeline.model.context import max_context_of, prefill_chunk_for
 from pipeline.model.linear import ComputeMode
@@ -181,15 +183,21 @@ class RayPipeline:
             remove_placement_group(self.placement_group)
 
 
-def stage_bundles(num_stages: int, num_cpus: float, device: str, tensor_parallel: int = 1) -> list[dict[str, float]]:
+def stage_bundles(
+    num_stages: int, num_cpus: float, device: str, tensor_parallel: int = 1, memory: Sequence[int] | None = None
+) -> list[dict[str, float]]:
     """One bundle per stage, for all its tensor-parallel ranks (a bundle lies on one node, so a
-    group's all-reduces never cross nodes): `num_cpus` per rank, and on a GPU one per rank."""
+    group's all-reduces never cross nodes): `num_cpus` per rank, on a GPU one per rank, and
+    `memory[stage]` bytes per rank (stage_footprints_of)."""
     bundle = {"CPU": num_cpus * tensor_parallel} if num_cpus > 0 else {}
     if device.startswith("cuda"):
         bundle["GPU"] = float(tensor_parallel)
     if not bundle:
         raise ConfigError("a pipeline stage must ask for some CPU or a GPU")
-    return [dict(bundle) for _ in range(num_stages)]
+    bundles = [dict(bundle) for _ in range(num_stages)]
+    for stage, size in enumerate(memory or ()):
+        bundles[stage]["memory"] = float(size * tensor_parallel)
+    return bundles
 
 
 def reserve(bundles: list[dict[str, float]], strategy: str, timeout_s: float, what: str):
@@ -210,17 +218,24 @@ def missing_resources(bundles: list[dict[str, float]]) -> str:
             needed[name] = needed.get(name, 0.0) + amount
     free, total = ray.available_resources(), ray.cluster_resources()
     short = [
-        f"{name} {amount:g} needed, {free.get(name, 0.0):g} free of {total.get(name, 0.0):g}"
+        f"{name} {_amount(name, amount)} needed, {_amount(name, free.get(name, 0.0))} free of "
+        f"{_amount(name, total.get(name, 0.0))}"
         for name, amount in sorted(needed.items())
         if free.get(name, 0.0) < amount
     ]
-    largest = max((b.get(name, 0.0) for b in bundles for name in b), default=0.0)
     if short:
         return "; ".join(short)
+    # The most a bundle asks of each resource: what some node must hold at once.
+    largest = {name: max(b.get(name, 0.0) for b in bundles) for name in needed}
     return (
-        f"the cluster has {', '.join(f'{k} {v:g}' for k, v in sorted(needed.items()))} free in total, "
-        f"but no node fits a bundle of {largest:g} (each bundle must fit on one node)"
+        f"the cluster has {', '.join(f'{k} {_amount(k, v)}' for k, v in sorted(needed.items()))} free in total, "
+        f"but no node fits a bundle of {', '.join(f'{k} {_amount(k, v)}' for k, v in sorted(largest.items()))} "
+        "(each bundle must fit on one node)"
     )
+
+
+def _amount(name: str, amount: float) -> str:
+    return f"{amount / 2**30:.2f} GiB" if name in ("memory", "object_store_memory") else f"{amount:g}"
 
 
 def start_pipeline(
@@ -233,6 +248,8 @@ def start_pipeline(
     start_timeout_s: float = 600.0,
     group=None,
     tensor_parallel: int = 1,
+    kv_requests: int = 1,
+    slot_positions: int | None = None,
 ) -> RayPipeline:
     """Start `tensor_parallel` ShardActors per stage (a group whose ranks split the stage's
     heads and MLP) in a placement group (`group`, one bundle per stage as stage_bundles makes
@@ -246,9 +263,13 @@ def start_pipeline(
     spec = ModelSpec.from_hf_config(config)
     layouts = stage_layouts(spec.num_layers, num_stages)
     check_tensor_parallel(spec, tensor_parallel)
+    # Each rank declares the memory it holds (its layers, the caches of `kv_requests` requests
+    # of `slot_positions`): the group's bundles reserve it, `stage_bundles(..., memory)` alike.
+    memory = [f.peak for f in stage_footprints_of(path, num_stages, tensor_parallel, mode, device, kv_requests,
+                                                   slot_positions)]  # fmt: skip
     owns_group = group is None
     if owns_group:
-        bundles = stage_bundles(num_stages, num_cpus, device, tensor_parallel)
+        bundles = stage_bundles(num_stages, num_cpus, device, tensor_parallel, memory)
         what = f"{num_stages} pipeline stage(s) × {tensor_parallel} tensor-parallel rank(s)"
         group = reserve(bundles, "PACK", start_timeout_s, what)
     actor = ray.remote(_actor_class())
@@ -257,6 +278,7 @@ def start_pipeline(
             actor.options(
                 num_cpus=num_cpus,
                 num_gpus=1 if device.startswith("cuda") else 0,
+                memory=memory[layout.index],
                 max_restarts=MAX_RESTARTS if tensor_parallel == 1 else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=layout.index),
             ).remote(str(path), layout, mode.value, device, num_threads, rank, tensor_parallel)

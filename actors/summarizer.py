@@ -28,12 +28,14 @@ import ray
 from ray.data import ActorPoolStrategy
 
 from actors.progress import ProgressReporter, start_progress
-from actors.replica import DATA_CPUS, USER_TASK_CPUS, ReplicaPool, ReplicaResources
+from actors.replica import ReplicaPool
+from actors.resources import DATA_CPUS, USER_TASK_CPUS, ReplicaResources
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.stats import ReplicaUsage
 from pipeline.engine import DEFAULT_MAX_BATCH, EngineConfig, StrategyConfig
 from pipeline.errors import ConfigError
 from pipeline.model import checkpoint
+from pipeline.summarization.datasource import DATA_TASK_MEMORY
 from pipeline.summarization.dispatch import MAX_TIMEOUTS, POISON_DEATHS
 from pipeline.summarization.stage import SummarizeBatch
 from pipeline.summarization.summarizer import (
@@ -55,6 +57,8 @@ DOCUMENTS_PER_ACTOR = 16
 # replicas hold the CPUs, and a stage asking Ray Data's default of one CPU could wait forever
 # behind them on a small machine.
 DATA_TASK_CPUS = 0.1
+# What the job's filter and write tasks ask Ray for (its reads ask the same memory).
+DATA_TASK = {"num_cpus": DATA_TASK_CPUS, "memory": DATA_TASK_MEMORY}
 # Memory a summarize actor declares, so that Ray places it where it fits and Ray Data's memory
 # check has nothing to warn about: its largest unique set in the default run was 471 MiB (the
 # tokenizer, ROUGE, Arrow batches of its documents, the dispatcher's threads; 2 cores of an
@@ -200,6 +204,14 @@ class Summarizer:
                 total += ReplicaUsage.from_dict(ray.get(call, timeout=timeout_s))
             except (ray.exceptions.RayError, TimeoutError) as e:
                 logger.warning("Replica %s gave no usage (%s): left out of the throughput", name, type(e).__name__)
+        if total.over_memory:
+            # Ray placed replicas by the declaration: above it, a node can run out of memory.
+            logger.warning(
+                "A replica's peak memory (%.2f GiB) passed what it declared to Ray (%.2f GiB): "
+                "pipeline/model/footprint.py misses something this run holds",
+                total.peak_rss / 2**30,
+                total.declared_memory / 2**30,
+            )
         return total
 
     def shutdown(self) -> None:

@@ -301,7 +301,7 @@ def _init_ray(address: str | None) -> bool:
 def run(args: argparse.Namespace) -> int:
     import ray
 
-    from actors.summarizer import DATA_TASK_CPUS, SummarizerConfig, build_summarizer
+    from actors.summarizer import DATA_TASK, SummarizerConfig, build_summarizer
     from pipeline.model import checkpoint
     from pipeline.summarization.compaction import BackgroundCompaction
     from pipeline.summarization.datasource import read_documents
@@ -363,20 +363,20 @@ def run(args: argparse.Namespace) -> int:
             logger.warning("%d ids occur more than once; their rows become errors", len(duplicates))
         if args.ids is not None:
             wanted = args.ids
-            documents = documents.filter(lambda row: row["id"] in wanted, num_cpus=DATA_TASK_CPUS)
+            documents = documents.filter(lambda row: row["id"] in wanted, **DATA_TASK)
         if args.limit is not None:
             documents = documents.limit(args.limit)
         if resume.done_ids:
             done = resume.done_ids
             documents = documents.filter(
-                lambda row: row["id"] is None or row["id"] not in done, num_cpus=DATA_TASK_CPUS
+                lambda row: row["id"] is None or row["id"] not in done, **DATA_TASK
             )
         sink = SummarySink(args.output / OUTPUT_NAME)
         with (
             summarize.progress(_expected_rows(id_counts, num_rows, args, resume.done_ids)),
             BackgroundCompaction(sink.folder),
         ):
-            summarize(documents, duplicates).write_datasink(sink, ray_remote_args={"num_cpus": DATA_TASK_CPUS})
+            summarize(documents, duplicates).write_datasink(sink, ray_remote_args=DATA_TASK)
         # The replicas' own account: in a batch the requests' decode times overlap, so the table's
         # per-request tokens/s is no throughput; tokens over the replicas' busy time are.
         usage = summarize.usage()

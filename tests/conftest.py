@@ -12,6 +12,14 @@ import pytest
 # Ray reads this once, when it is imported: every cluster a test starts stays on 127.0.0.1.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
+# Under pytest-xdist (`make test` runs two workers), the cores are shared out between workers:
+# two workers of two OpenMP threads each on 2 cores spin waiting for each other's threads (a
+# real-model test ran 2.6 times slower). What a test or job runs in its own processes (Ray
+# actors, CLIs) inherits the share unless it sets its threads itself.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _share = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+
 # A job runs as a script, its folder first on the path, and imports the module the jobs share
 # (job_cli) by its bare name: jobs/ is a folder of scripts, not a package. The tests load the
 # scripts as modules and use that module too, so they need the folder on the path as well;

@@ -122,6 +122,10 @@ class ReplicaUsage:
     busy_s: float = 0.0
     served: GenerationStats = field(default_factory=lambda: GenerationStats(num_requests=0))
     failed: int = 0  # requests that failed (a retried request counts each failed attempt)
+    # The largest peak resident memory of a replica's process, and the most one declared to Ray
+    # (0: not known): a peak above its declaration is how a replica could be killed for memory.
+    peak_rss: int = 0
+    declared_memory: int = 0
 
     def __add__(self, other: ReplicaUsage) -> ReplicaUsage:
         return ReplicaUsage(
@@ -129,7 +133,13 @@ class ReplicaUsage:
             self.busy_s + other.busy_s,
             self.served + other.served,
             self.failed + other.failed,
+            max(self.peak_rss, other.peak_rss),
+            max(self.declared_memory, other.declared_memory),
         )
+
+    @property
+    def over_memory(self) -> bool:
+        return 0 < self.declared_memory < self.peak_rss
 
     @property
     def tokens_per_busy_s(self) -> float | None:
@@ -147,7 +157,14 @@ class ReplicaUsage:
             f"{self.replicas} replica{'s' if self.replicas > 1 else ''} busy {self.busy_s / self.replicas:.0f} s each: "
             f"{self.tokens_per_busy_s:.1f} tokens/s generated, {per_hour:.1f} documents per hour "
             f"(per replica, prefill included; {self.served.num_requests} requests{failed})"
+            + self._memory()
         )
+
+    def _memory(self) -> str:
+        if not self.peak_rss:
+            return ""
+        declared = f" of {self.declared_memory / 2**30:.2f} GiB declared" if self.declared_memory else ""
+        return f"; peak memory {self.peak_rss / 2**30:.2f} GiB{declared}"
 
     def to_dict(self) -> dict:
         return {
@@ -155,8 +172,17 @@ class ReplicaUsage:
             "busy_s": self.busy_s,
             "served": self.served.to_dict(),
             "failed": self.failed,
+            "peak_rss": self.peak_rss,
+            "declared_memory": self.declared_memory,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping) -> ReplicaUsage:
-        return cls(data["replicas"], data["busy_s"], GenerationStats.from_dict(data["served"]), data["failed"])
+        return cls(
+            data["replicas"],
+            data["busy_s"],
+            GenerationStats.from_dict(data["served"]),
+            data["failed"],
+            data.get("peak_rss", 0),
+            data.get("declared_memory", 0),
+        )

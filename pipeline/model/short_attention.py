@@ -115,7 +115,7 @@ def build(flags: tuple[str, ...]) -> ModuleType | None:
         (directory / "lock").unlink(missing_ok=True)
         module = cpp_extension.load(
             name=f"knapspec_{directory.name.replace('-', '_')}",
-            sources=[str(source) for source in SOURCES],
+            sources=[str(source) for source in _sources_in(directory)],
             extra_cflags=list(flags),
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
@@ -128,6 +128,22 @@ def build(flags: tuple[str, ...]) -> ModuleType | None:
         lock.release()
     logger.debug("short-block attention kernel loaded from %s", directory)
     return module
+
+
+def _sources_in(directory: Path) -> list[Path]:
+    """The sources as copies inside the build's own folder: ninja rebuilds when a source's path
+    changes, and the same code runs from other paths (a Ray job's working directory is unpacked
+    under each job's runtime resources), which would each compile the kernel again (~1 minute)."""
+    folder = directory / "src"
+    folder.mkdir(exist_ok=True)
+    for path in SOURCES + HEADERS:
+        copy = folder / path.name
+        data = path.read_bytes()
+        if not copy.is_file() or copy.read_bytes() != data:  # an unchanged copy keeps its time: no work for ninja
+            tmp = copy.with_name(copy.name + ".tmp")
+            tmp.write_bytes(data)
+            tmp.replace(copy)
+    return [folder / path.name for path in SOURCES]
 
 
 def _private_folder(folder: Path) -> None:

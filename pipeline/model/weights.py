@@ -40,9 +40,13 @@ def read_weights(
 
     def get(name: str) -> torch.Tensor:
         try:
-            return tensors[name].to(device=device, dtype=torch.float32)
+            tensor = tensors[name]
         except KeyError:
             raise ConfigError(f"checkpoint is missing tensor {name!r}") from None
+        # Always a copy: a checkpoint's tensors are views of the file mapped whole, and a weight
+        # kept as such a view (an fp32 checkpoint's embedding or norms) kept every page of the
+        # file resident for the process's life (SmolLM2: +513 MB beside its weights).
+        return tensor.to(device=device, dtype=torch.float32, copy=True)
 
     def norm(name: str) -> torch.Tensor:
         return get(name).to(mode.activation_dtype)

@@ -83,3 +83,14 @@ def test_usage_sums_round_trip_and_reads_as_one_line():
         "(per replica, prefill included; 16 requests, 2 failed requests)"
     )
     assert ReplicaUsage().line(3) == "replicas: no busy time on record"
+
+
+def test_usage_keeps_the_largest_peak_memory_beside_the_declared_and_says_when_it_passed_it():
+    a = ReplicaUsage(1, 100.0, GenerationStats.total([request(50, 40.0)] * 4), 0, 700 * 2**20, 2**30)
+    b = ReplicaUsage(1, 300.0, GenerationStats.total([request(50, 40.0)] * 12), 0, 900 * 2**20, 2**30)
+    total = ReplicaUsage() + a + b
+    assert ReplicaUsage.from_dict(total.to_dict()) == total
+    assert (total.peak_rss, total.declared_memory, total.over_memory) == (900 * 2**20, 2**30, False)
+    assert total.line(8).endswith("16 requests); peak memory 0.88 GiB of 1.00 GiB declared")
+    assert (total + ReplicaUsage(1, 1.0, peak_rss=2**31, declared_memory=2**30)).over_memory
+    assert not ReplicaUsage(1, 1.0, peak_rss=2**31).over_memory  # nothing declared: nothing to pass

@@ -18,6 +18,7 @@ from tests.actors.test_replicas import fault_env
 from tests.builders import REPO, sample_documents
 from tests.jobs.test_summarize_faults import rows_by_id
 from tests.jobs.test_summarize_job import SCRIPT, excerpt, job_env
+from tests.processes import descendants
 
 pytestmark = pytest.mark.ray
 
@@ -33,10 +34,9 @@ def write_docs(path, count: int, extra: list[dict] = ()) -> list[dict]:
     return rows
 
 
-def replica_pids() -> list[int]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+def replica_pids(job: subprocess.Popen) -> list[int]:
     # "ray::EngineReplica" at first, "ray::<actor name>:EngineReplica.__init__" while it restarts.
-    return sorted(int(line.split()[0]) for line in out.splitlines() if "ray::" in line and "EngineReplica" in line)
+    return descendants(job.pid, "ray::", "EngineReplica")
 
 
 def start_job(args: list, env: dict | None = None) -> subprocess.Popen:
@@ -82,7 +82,7 @@ def test_a_replica_killed_again_and_again_loses_no_row(tiny_chat_checkpoint, tmp
 
     def kill_one_replica_three_times() -> None:
         """The first replica, then each process that restarts in its place: the other survives."""
-        first = replica_pids()
+        first = replica_pids(job)
         seen, victim = set(first), first[0]
         while len(kills) < 3 and job.poll() is None:
             if victim is not None:
@@ -92,7 +92,7 @@ def test_a_replica_killed_again_and_again_loses_no_row(tiny_chat_checkpoint, tmp
                 os.kill(victim, signal.SIGKILL)
                 kills.append(victim)
                 victim = None
-            fresh = set(replica_pids()) - seen
+            fresh = set(replica_pids(job)) - seen
             if fresh:
                 seen |= fresh
                 victim = max(fresh)

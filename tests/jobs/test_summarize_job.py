@@ -23,6 +23,7 @@ from pipeline.decoding.stopping import FINISH_REASONS
 from pipeline.summarization.output import OUTPUT_SCHEMA, part_files, read_output
 from pipeline.summarization.quality import ends_on_sentence, repetitions
 from tests.builders import REPO, sample_documents
+from tests.processes import descendants
 
 pytestmark = pytest.mark.ray
 
@@ -157,9 +158,8 @@ def test_resume_after_a_killed_run_writes_each_id_once(tiny_chat_checkpoint, tmp
     assert sorted(read_output(out / OUTPUT_NAME).column("id").to_pylist()) == sorted(r["id"] for r in rows)
 
 
-def _summarize_actor_pids() -> list[int]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines() if "MapWorker(MapBatches(SummarizeBatch))" in line]
+def _summarize_actor_pids(job: subprocess.Popen) -> list[int]:
+    return descendants(job.pid, "MapWorker(MapBatches(SummarizeBatch))")
 
 
 def test_a_killed_summarize_actor_is_restarted_and_every_row_written_once(tiny_chat_checkpoint, tmp_path):
@@ -180,7 +180,7 @@ def test_a_killed_summarize_actor_is_restarted_and_every_row_written_once(tiny_c
         killed = None
         for line in job.stdout:  # the first finished document: the stage's actor is at work
             if line.startswith("[1/8]"):
-                (killed,) = _summarize_actor_pids()
+                (killed,) = _summarize_actor_pids(job)
                 os.kill(killed, signal.SIGKILL)
                 break
         rest = job.stdout.read()
@@ -210,6 +210,19 @@ def test_bad_arguments_stop_before_any_work(args, message, tmp_path):
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert result.stderr.strip().count("\n") == 0, result.stderr  # one line
     assert not (tmp_path / "out" / OUTPUT_NAME).exists()
+
+
+def test_a_replica_no_node_can_hold_is_refused_before_any_starts_with_the_figure(tmp_path):
+    # SmolLM2 with a KV pool of 20,000 slots of the longest request: terabytes, on no node.
+    result = run_job("--output", tmp_path / "out", "--max-batch", "20000", timeout=180)
+    assert result.returncode == 2, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"error: a replica needs \d+\.\d\d GiB \(weights 0\.\d\d GiB, KV pool \d+\.\d\d GiB, .*\) of memory, "
+        r"but the largest node offers Ray \d+\.\d\d GiB; lower --max-batch or --max-chunk-tokens, .*",
+        last,
+    ), last
+    assert "Replica ready" not in result.stderr and not (tmp_path / "out" / OUTPUT_NAME).exists()
 
 
 def test_ids_missing_from_the_input_are_named(tmp_path):

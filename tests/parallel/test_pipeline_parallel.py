@@ -183,6 +183,7 @@ class TestRayStages:
     def test_greedy_tokens_through_shard_actors(self, six_layers, num_stages):
         import ray
 
+        from actors.resources import stage_footprints_of
         from actors.shard import start_pipeline
 
         _, whole = load_tiny(six_layers)
@@ -210,7 +211,10 @@ class TestRayStages:
             assert [i["layers"] for i in infos] == [tuple(r) for r in partition_layers(6, num_stages)]
             table = ray.util.placement_group_table(staged.placement_group)
             assert table["state"] == "CREATED" and table["strategy"] == "PACK"
-            assert list(table["bundles"].values()) == [{"CPU": 0.5}] * num_stages
+            # Each stage reserves the memory its actor declares: its layers and one request's caches.
+            memory = stage_footprints_of(six_layers, num_stages, 1, ComputeMode.FP32, "cpu", 1, None)
+            assert list(table["bundles"].values()) == [{"CPU": 0.5, "memory": float(f.peak)} for f in memory]
+            assert memory[0].weights != memory[-1].weights or num_stages == 1  # the embedding, the head
         finally:
             staged.shutdown()
         assert ray.util.placement_group_table(staged.placement_group)["state"] == "REMOVED"

@@ -181,6 +181,7 @@ class TestGlooGroups:
         process (allclose), and its greedy tokens for ar and knapspec."""
         import ray
 
+        from actors.resources import stage_footprints_of
         from actors.shard import start_pipeline
 
         path = make_tiny_checkpoint(tmp_path / "model", "llama", num_hidden_layers=4, quiet_layers=(1, 2))
@@ -189,7 +190,9 @@ class TestGlooGroups:
         try:
             assert [len(stage) for stage in staged.ranks] == [2] * num_stages
             table = ray.util.placement_group_table(staged.placement_group)
-            assert list(table["bundles"].values()) == [{"CPU": 1.0}] * num_stages  # a group's ranks share a bundle
+            # A group's ranks share a bundle: their CPUs and the memory each declares.
+            memory = stage_footprints_of(path, num_stages, 2, ComputeMode.FP32, "cpu", 1, None)
+            assert list(table["bundles"].values()) == [{"CPU": 1.0, "memory": 2.0 * f.peak} for f in memory]
             pipeline = staged.model
             ids = random_prompt(1)
             cache, pcache = whole.new_cache(96), pipeline.new_cache(96)

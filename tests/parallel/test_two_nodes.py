@@ -101,7 +101,7 @@ def test_placement_that_cannot_fit_names_the_missing_resources(two_nodes, quiet_
     with pytest.raises(ConfigError, match=r"CPU 3 needed, 2 free of 2"):
         start_pipeline(quiet_model, 2, ComputeMode.FP32, num_cpus=1.5, start_timeout_s=3)
     # Enough CPUs in total, but no node holds a 2-CPU bundle.
-    with pytest.raises(ConfigError, match=r"no node fits a bundle of 2"):
+    with pytest.raises(ConfigError, match=r"no node fits a bundle of CPU 2, memory \d+\.\d\d GiB"):
         start_pipeline(quiet_model, 1, ComputeMode.FP32, num_cpus=2, start_timeout_s=3)
 
 
@@ -136,6 +136,9 @@ def test_stage_bundles_ask_a_gpu_per_stage_on_cuda():
     from actors.shard import stage_bundles
 
     assert stage_bundles(3, 0.5, "cpu") == [{"CPU": 0.5}] * 3
+    # Each stage's memory per rank (actors.resources.stage_footprints_of), for all its ranks.
+    assert stage_bundles(2, 0.5, "cpu", 2, memory=[100, 300]) == [{"CPU": 1.0, "memory": 200.0},
+                                                                   {"CPU": 1.0, "memory": 600.0}]  # fmt: skip
     assert stage_bundles(2, 1, "cuda") == [{"CPU": 1, "GPU": 1.0}] * 2
     with pytest.raises(ConfigError):
         stage_bundles(2, 0, "cpu")

@@ -33,7 +33,7 @@ def ray_cluster():
     # Keeps a local cluster on 127.0.0.1 instead of the machine's interface address.
     previous = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     try:
         yield
