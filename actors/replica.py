@@ -27,7 +27,7 @@ from actors.resources import (
     cpus_per_replica,
     node_memory,
     replica_footprint_of,
-    stage_footprints_of,
+    stage_memory_of,
 )
 from actors.restart import exit_for_restart
 from actors.shard import reserve, stage_bundles
@@ -36,9 +36,7 @@ from pipeline.decoding.stats import BusyClock
 from pipeline.engine import REGISTRY, Engine, EngineConfig, StrategyConfig
 from pipeline.errors import ConfigError, DeviceFault, is_device_fault
 from pipeline.logs import configure_worker_logging
-from pipeline.model import checkpoint
 from pipeline.model.footprint import RUNTIME_BYTES
-from pipeline.model.linear import resolve_compute_mode
 from profiling.calibration import store_calibrator
 from profiling.microbench import SUSPECT_RESIDUAL
 
@@ -200,6 +198,8 @@ class PipelineReplica(EngineReplica):
         from actors.shard import start_pipeline
         from pipeline.decoding.serving import BatchingThread
         from pipeline.engine import SEARCHING_STRATEGIES
+        from pipeline.model import checkpoint
+        from pipeline.model.linear import resolve_compute_mode
 
         configure_worker_logging()
         if REGISTRY[strategy.name].build is None:
@@ -239,6 +239,7 @@ class PipelineReplica(EngineReplica):
         self.max_batch = max_batch
         self.lanes = [BatchingThread(self.engine.batcher(max_batch), name=f"lane-{k}") for k in range(num_stages)]
         self.busy = BusyClock()
+        self.declared_memory = RUNTIME_BYTES  # as ReplicaPool declares a coordinator
         self._start_metrics()
         self.load_s = time.perf_counter() - started
         self.num_threads = num_threads
@@ -358,18 +359,7 @@ class ReplicaPool:
             # them by name, and a node's table is measured once for all of them.
             self.profilers = start_profilers()
             rank_cpus = num_cpus / (stages * ranks)
-            memory = [
-                f.peak
-                for f in stage_footprints_of(
-                    checkpoint.resolve_checkpoint(engine_config.model, engine_config.cache_dir),
-                    stages,
-                    ranks,
-                    resolve_compute_mode(engine_config.dtype, engine_config.device),
-                    engine_config.device,
-                    stages * resources.max_batch,
-                    engine_config.kv_slot_positions,
-                )
-            ]
+            memory = stage_memory_of(engine_config, stages, ranks, resources.max_batch)
             bundles = stage_bundles(stages, rank_cpus, engine_config.device, ranks, memory)
             what = f"({stages} pipeline stage(s) × {ranks} tensor-parallel rank(s))"
             self.groups = [reserve(bundles, "PACK", start_timeout_s, f"replica {i} {what}") for i in range(count)]

@@ -116,3 +116,17 @@ def stage_footprints_of(
                         layout.has_head, ranks, kv_requests, positions)  # fmt: skip
         for layout in stage_layouts(spec.num_layers, num_stages)
     ]
+
+
+def stage_memory_of(engine_config: EngineConfig, stages: int, ranks: int, max_batch: int) -> list[int]:
+    """What one rank of each stage of a pipelined replica declares: a batch per stage in flight
+    (its lanes), each request with caches on every stage."""
+    from pipeline.model import checkpoint
+    from pipeline.model.linear import resolve_compute_mode
+
+    path = checkpoint.resolve_checkpoint(engine_config.model, engine_config.cache_dir)
+    mode = resolve_compute_mode(engine_config.dtype, engine_config.device)
+    footprints = stage_footprints_of(
+        path, stages, ranks, mode, engine_config.device, stages * max_batch, engine_config.kv_slot_positions
+    )
+    return [f.peak for f in footprints]

@@ -258,6 +258,8 @@ def test_pipeline_parallel_replicas_write_the_same_summaries(
 
     assert summaries(tmp_path / "piped") == summaries(single_out)
     assert sum(1 for _, s in summaries(single_out) if s != "None") == 3
+    # The coordinators give their account too (each declares the runtime alone).
+    assert "2 replicas busy" in piped.stdout and "gave no usage" not in piped.stderr, piped.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -279,3 +281,8 @@ def test_default_run_on_a_bundled_document(tmp_path):
     for chatter in ("Running Dataset", "Execution plan of Dataset", "Started a local Ray instance",
                     "Token authentication is enabled", "Using default tokenizer"):  # fmt: skip
         assert chatter not in result.stderr, chatter
+    # The replica's peak stayed within what it declared to Ray, and not far below it.
+    memory = re.search(r"peak memory ([\d.]+) GiB of ([\d.]+) GiB declared", result.stdout)
+    assert memory, result.stdout
+    peak, declared = map(float, memory.groups())
+    assert 0.75 * declared <= peak <= declared and "passed what it declared" not in result.stderr, memory.group(0)

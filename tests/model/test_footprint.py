@@ -88,3 +88,16 @@ def test_replicas_no_node_can_hold_are_refused_with_the_figure(tiny_llama):
         check_memory(1, footprint, [0.1 * gib, 0.05 * gib])
     with pytest.raises(ConfigError, match="3 replicas of .* do not fit .*: 2 fit\\); lower --replicas"):
         check_memory(3, footprint, [footprint.peak * 1.5, footprint.peak * 1.5])
+
+
+def test_a_loaded_model_keeps_no_view_of_the_checkpoints_file(tiny_llama):
+    """The checkpoint's tensors are views of its file, mapped whole: a weight kept as one (an fp32
+    checkpoint's embedding and norms, in fp32) kept every page of the file resident."""
+    config = checkpoint.load_config(tiny_llama)
+    tensors = checkpoint.read_tensors(tiny_llama)
+    spans = [(t.data_ptr(), t.data_ptr() + tensor_bytes(t)) for t in tensors.values()]
+    model = model_from_tensors(config, tensors, ComputeMode.FP32)
+    held = [model.embed, model.final_norm, model.lm_head.weight]
+    for layer in model.layers:
+        held += [layer.input_norm, layer.post_norm, layer.qkv.weight, layer.o.weight, layer.gate_up.weight]
+    assert not [t for t in held if any(start <= t.data_ptr() < end for start, end in spans)]
