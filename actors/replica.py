@@ -310,10 +310,11 @@ class ReplicaPool:
             raise ConfigError(f"need at least one replica, got {count}")
         num_cpus = cpus_per_replica(count, resources)
         stages, ranks = resources.pipeline_parallel, resources.tensor_parallel
-        # What one replica holds at its peak, declared to Ray: it places a replica only where it fits.
-        self.footprint = replica_footprint_of(engine_config, resources.max_batch)
         if stages == 1 and ranks == 1:
-            check_memory(count, self.footprint, node_memory())
+            # What one replica holds at its peak, declared to Ray: it places a replica only where it
+            # fits (a pipelined replica's stages declare theirs, below).
+            footprint = replica_footprint_of(engine_config, resources.max_batch)
+            check_memory(count, footprint, node_memory())
         self.groups: list = []
         self.profilers: dict = {}
         # Named, so that the summarize stage's actors take plain names, and one restarted by Ray
@@ -328,12 +329,12 @@ class ReplicaPool:
                     name=name,
                     num_cpus=num_cpus,
                     num_gpus=resources.num_gpus,
-                    memory=self.footprint.peak,
+                    memory=footprint.peak,
                     max_restarts=MAX_RESTARTS,
                     max_task_retries=MAX_TASK_RETRIES,
                     # Calls wait in the batcher's queue (admitted as KV room frees), not in Ray's.
                     max_concurrency=2 * resources.max_batch + 1,
-                ).remote(engine_config, strategy, resources.num_threads, resources.max_batch, self.footprint.peak)
+                ).remote(engine_config, strategy, resources.num_threads, resources.max_batch, footprint.peak)
 
             self.handles = [start(self.names[0])]
             if REGISTRY[strategy.name].searching and count > 1:
